@@ -1,0 +1,33 @@
+"""otb_ref: reference implementation of the Optimal Token Baseline (OTB).
+
+The specification is THEORY.md (facts F1–F7). Pure functions on tensors:
+
+* :mod:`otb_ref.proxy` — the Logit-Gradient Proxy (F6).
+* :mod:`otb_ref.advantages` — the estimator family (§3, F7) and the
+  verl-compatible OTB functions (§4).
+* :mod:`otb_ref.diagnostics` — forward-only variance metrics (§5).
+"""
+
+from otb_ref.advantages import (
+    ESTIMATORS,
+    Estimator,
+    compute_advantages,
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+)
+from otb_ref.diagnostics import variance_proxy_metrics
+from otb_ref.proxy import logprobs_and_sum_pi_squared, sum_pi_squared, token_energy
+
+__all__ = [
+    "ESTIMATORS",
+    "Estimator",
+    "compute_advantages",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "logprobs_and_sum_pi_squared",
+    "sum_pi_squared",
+    "token_energy",
+    "variance_proxy_metrics",
+]
+
+__version__ = "0.1.0"

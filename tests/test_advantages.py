@@ -1,0 +1,150 @@
+"""Every estimator and option of ``compute_advantages`` against the loop oracle (F7, §3, §4)."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from otb_ref import ESTIMATORS, Estimator, compute_advantages
+from reference import reference_advantages
+from strategies import rollout_batches
+
+SEQUENCE = [n for n, e in ESTIMATORS.items() if e.granularity == "sequence"]
+TOKEN = [n for n, e in ESTIMATORS.items() if e.granularity == "token"]
+# fp64 throughout: differences come from summation order only (~1e-15 relative).
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _run_both(name, batch, **flags):
+    got = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
+    want = reference_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
+    return got, want
+
+
+@given(rollout_batches(), st.sampled_from(SEQUENCE), st.booleans(), st.booleans())
+def test_sequence_estimators_match_loop(batch, name, leave_one_out, std_normalize):
+    """Sequence-level estimators equal the loop oracle for every flag combination."""
+    (adv, ret), (want_adv, want_ret) = _run_both(name, batch, leave_one_out=leave_one_out, std_normalize=std_normalize)
+    torch.testing.assert_close(adv, want_adv, **TOL)
+    torch.testing.assert_close(ret, want_ret, **TOL)
+
+
+@given(rollout_batches(), st.sampled_from(TOKEN), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+def test_token_estimators_match_loop(batch, name, leave_one_out, multi_turn, handle_zero_tail, std_normalize):
+    """Token-level estimators equal the loop oracle, incl. multi-turn alignment and the zero tail."""
+    flags = dict(leave_one_out=leave_one_out, multi_turn=multi_turn, handle_zero_tail=handle_zero_tail, std_normalize=std_normalize)
+    (adv, ret), (want_adv, want_ret) = _run_both(name, batch, **flags)
+    torch.testing.assert_close(adv, want_adv, **TOL)
+    torch.testing.assert_close(ret, want_ret, **TOL)
+
+
+@given(rollout_batches(), st.sampled_from(["opo", "sequence_proxy", "token_length", "otb"]))
+def test_rollout_is_weights_match_loop(batch, name):
+    """IS weights scale per-token energies by ρ̄² before summing (§4)."""
+    (adv, _), (want, _) = _run_both(name, batch, rollout_is_weights=batch.rollout_is_weights)
+    torch.testing.assert_close(adv, want, **TOL)
+
+
+@given(rollout_batches(max_group_size=64, max_groups=2, max_length=4), st.sampled_from(sorted(ESTIMATORS)))
+def test_large_groups_match_loop(batch, name):
+    """Group sizes up to 64."""
+    (adv, _), (want, _) = _run_both(name, batch)
+    torch.testing.assert_close(adv, want, **TOL)
+
+
+@given(rollout_batches(holes=False, equal_lengths=True))
+def test_uniform_token_baseline_with_equal_lengths_is_grpo_mean(batch):
+    """Uniform energy, equal lengths, outcome reward: the token baseline is the group mean at every position."""
+    outcome = torch.zeros_like(batch.rewards)
+    outcome[:, -1] = batch.rewards.sum(-1)
+    token, _ = compute_advantages("token_mean", outcome, batch.mask, batch.index, epsilon=0.0)
+    grpo, _ = compute_advantages("grpo", outcome, batch.mask, batch.index, std_normalize=False, epsilon=0.0)
+    torch.testing.assert_close(token, grpo, **TOL)
+
+
+@given(rollout_batches(max_group_size=1), st.sampled_from(sorted(ESTIMATORS)), st.booleans())
+def test_groups_of_one_get_the_return(batch, name, leave_one_out):
+    """N = 1: no baseline, advantage = return (G_t for token level, R for sequence level)."""
+    adv, ret = compute_advantages(name, batch.rewards, batch.mask, batch.index, leave_one_out=leave_one_out, **batch.inputs)
+    torch.testing.assert_close(adv, ret * batch.mask, rtol=0, atol=0)
+
+
+@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)))
+def test_values_off_the_mask_are_ignored(batch, name):
+    """Garbage (NaN, inf, negatives) where the mask is 0 does not change any output."""
+    off = batch.mask == 0
+    poisoned = {k: (v.masked_fill(off, float("nan")) if v.dim() == 2 else v) for k, v in batch.inputs.items()}
+    rewards = batch.rewards.masked_fill(off, float("inf"))
+    adv, ret = compute_advantages(name, rewards, batch.mask, batch.index, **poisoned)
+    want_adv, want_ret = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs)
+    torch.testing.assert_close(adv, want_adv, rtol=0, atol=0)
+    torch.testing.assert_close(ret * batch.mask, want_ret * batch.mask, rtol=0, atol=0)
+    assert bool((adv[off] == 0).all())
+
+
+@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)))
+def test_empty_rows_get_zero_advantage_and_inputs_are_untouched(batch, name):
+    """Rows with an all-zero mask get zero advantage; no input tensor is modified."""
+    before = {k: v.clone() for k, v in batch.inputs.items()}
+    rewards, mask = batch.rewards.clone(), batch.mask.clone()
+    adv, _ = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs)
+    assert bool((adv[batch.mask.sum(-1) == 0] == 0).all())
+    assert torch.equal(rewards, batch.rewards) and torch.equal(mask, batch.mask)
+    for k, v in before.items():
+        assert torch.equal(v, batch.inputs[k]), k
+
+
+@given(rollout_batches(string_ids=False))
+def test_index_forms_agree(batch):
+    """A list, a numpy array, an int tensor and string ids give identical results."""
+    import numpy as np
+
+    ids = torch.tensor(batch.index)
+    forms = [batch.index, np.array(batch.index), ids, [f"id{i}" for i in batch.index], np.array([f"s{i}" for i in batch.index])]
+    results = [compute_advantages("otb", batch.rewards, batch.mask, f, **batch.inputs)[0] for f in forms]
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+
+
+@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)))
+def test_group_order_does_not_matter(batch, name):
+    """Permuting rows permutes the advantages (groups are sets)."""
+    B = batch.rewards.shape[0]
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(B))
+    adv, _ = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs)
+    permuted = {k: v[perm] for k, v in batch.inputs.items()}
+    adv_p, _ = compute_advantages(name, batch.rewards[perm], batch.mask[perm], [batch.index[i] for i in perm], **permuted)
+    torch.testing.assert_close(adv_p, adv[perm], **TOL)
+
+
+def test_dtypes_fp32_computation_and_fp64_preserved():
+    """bf16/fp32 inputs compute in fp32; fp64 stays fp64; integer rewards are accepted."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    lp, sps = torch.full((3, 2), -0.5), torch.full((3, 2), 0.5)
+    for dtype, want in [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64)]:
+        adv, ret = compute_advantages("otb", rewards.to(dtype), mask, [0, 0, 0], old_log_probs=lp.to(dtype), sum_pi_squared=sps.to(dtype))
+        assert adv.dtype == want and ret.dtype == want
+    adv, _ = compute_advantages("grpo", rewards.long(), mask.bool(), [0, 0, 1])
+    assert adv.dtype == torch.float32
+
+
+def test_estimator_spec_object_is_accepted():
+    """An Estimator instance spans the whole table, e.g. token-level with std scaling."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    adv, _ = compute_advantages(Estimator("token", "length", std_normalize=True), rewards, mask, [0, 0], epsilon=0.0)
+    # W_t = t for both rows, G = (1, 1) and (0, 0): baseline 1/2 at both positions; std of R = sqrt(1/2).
+    expected = torch.tensor([[0.5, 0.5], [-0.5, -0.5]], dtype=torch.float64) / 0.5**0.5
+    torch.testing.assert_close(adv, expected, **TOL)
+
+
+def test_empty_batch_and_zero_length():
+    """B = 0 and T = 0 are legal and give empty outputs."""
+    for shape in [(0, 4), (3, 0)]:
+        rewards, mask = torch.zeros(shape), torch.zeros(shape)
+        for name in ["grpo", "token_mean"]:
+            adv, ret = compute_advantages(name, rewards, mask, list(range(shape[0])))
+            assert adv.shape == shape and ret.shape == shape
