@@ -5,6 +5,9 @@ Every estimator subtracts a weighted group mean of the return:
     granularity "sequence":  b_i   = Σ_j v_j R_j     / (Σ_j v_j     + ε)
     granularity "token":     B_t^i = Σ_j W_t^j G_t^j / (Σ_j W_t^j   + ε)      (F7)
 
+(``ε`` only for the energy-weighted rows of the table, proxy and exact; counts
+divide exactly, so e.g. GRPO's baseline is the exact group mean)
+
 where ``j`` runs over the responses of the same prompt (all of them, or all
 but ``i`` with ``leave_one_out``), ``G_t = Σ_{k≥t} r_k`` is the return to go,
 ``R = G_1`` the total return, and at position ``t`` only responses alive there
@@ -403,8 +406,11 @@ def compute_advantages(
             (absolute positions, or generated-token positions with
             ``multi_turn``). Without it an include-self baseline there equals
             the response's own return.
-        epsilon: ``ε ≥ 0`` added to every baseline denominator; where a
-            denominator is 0 (``ε = 0``, nothing to average) the baseline is 0.
+        epsilon: ``ε ≥ 0`` added to the denominator of energy-weighted
+            baselines (``proxy``, ``exact``) and to the standard deviation of
+            ``std_normalize``. ``uniform`` and ``length`` weights are counts
+            (or sums of ``ρ̄²``) and divide exactly. Where a denominator is 0
+            (nothing to average) the baseline is 0.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]``, fp32 (fp64 if any input is
@@ -428,6 +434,8 @@ def compute_advantages(
         "rollout_is_weights": rollout_is_weights,
     }
     batch, eps = _validate(spec, token_level_rewards, response_mask, index, inputs, multi_turn, handle_zero_tail, epsilon)
+    # Counts need no guard: only sums of energies can be tiny but positive.
+    baseline_eps = eps if spec.energy in ("proxy", "exact") else 0.0
     with torch.no_grad():
         returns_to_go = _reverse_cumsum(batch.rewards)  # [B, T]
         # Rows that take part in their group, and each group's size.
@@ -437,7 +445,9 @@ def compute_advantages(
 
         if spec.granularity == "sequence":
             weights = _sequence_weights(spec.energy, batch, inputs)  # [B]
-            baseline = _group_weighted_mean(total_return, weights, batch.group, batch.num_groups, spec.leave_one_out, eps)
+            baseline = _group_weighted_mean(
+                total_return, weights, batch.group, batch.num_groups, spec.leave_one_out, baseline_eps
+            )
             baseline = torch.where(counts[batch.group] >= 2, baseline, 0.0)  # [B]
             returns = torch.where(batch.valid, total_return[:, None], 0.0)  # [B, T]
             advantages = returns - torch.where(batch.valid, baseline[:, None], 0.0)
@@ -445,7 +455,7 @@ def compute_advantages(
             cumulative = _cumulative_weights(spec.energy, batch, inputs)  # [B, T]
             baseline = _token_baseline(
                 returns_to_go, cumulative, batch, counted, counts,
-                spec.leave_one_out, multi_turn, handle_zero_tail, eps,
+                spec.leave_one_out, multi_turn, handle_zero_tail, baseline_eps,
             )  # [B, T]
             returns = returns_to_go
             advantages = torch.where(batch.valid, returns_to_go - baseline, 0.0)

@@ -66,7 +66,7 @@ def reference_advantages(
         return sum(token_w(i, k) for k in range(t + 1))
 
     def ratio(num, den):
-        den = den + epsilon
+        den = den + (epsilon if spec.energy in ("proxy", "exact") else 0.0)
         return num / den if den > 0 else 0.0
 
     groups: dict = {}

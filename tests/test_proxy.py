@@ -1,0 +1,194 @@
+"""The Logit-Gradient Proxy (F6): identities, stability, the chunked LM-head path."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from otb_ref import logprobs_and_sum_pi_squared, sum_pi_squared, token_energy
+from strategies import logits_tensors
+
+# fp64 identities hold to rounding: a few ulps of quantities of size <= 2.
+EXACT = dict(rtol=1e-12, atol=1e-12)
+
+
+def _naive(hidden, weight, targets, temperature=1.0):
+    """Full-logits reference: log π(y) and Σπ² from the [N, V] matrix."""
+    logits = (hidden @ weight.T).to(torch.float64 if hidden.dtype == torch.float64 else torch.float32) / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    return log_probs, log_softmax.exp().square().sum(-1)
+
+
+@given(logits_tensors(), st.data(), st.sampled_from([1.0, 0.7, 1.6]))
+def test_logit_gradient_identity(logits, data, temperature):
+    """||∇_u log softmax(u/τ)_y||² · τ² = 1 − 2π_y + Σπ² (autograd vs the formula)."""
+    y = torch.tensor(data.draw(st.lists(st.integers(0, logits.shape[1] - 1), min_size=logits.shape[0], max_size=logits.shape[0])))
+    u = logits.clone().requires_grad_(True)
+    log_probs = torch.log_softmax(u / temperature, -1).gather(-1, y[:, None]).squeeze(-1)
+    (grad,) = torch.autograd.grad(log_probs.sum(), u)  # rows are independent
+    autograd_energy = grad.square().sum(-1) * temperature**2
+    formula = token_energy(log_probs.detach(), sum_pi_squared(logits, temperature=temperature))
+    torch.testing.assert_close(formula, autograd_energy, **EXACT)
+    assert bool(((formula >= 0) & (formula <= 2)).all())
+
+
+@given(logits_tensors(max_vocab=12))
+def test_sum_pi_squared_matches_logsumexp_form(logits):
+    """Σπ² = exp(logsumexp(2z) − 2 logsumexp(z)) = Σ softmax(z)², at every logit scale up to 1e4."""
+    got = sum_pi_squared(logits)
+    direct = torch.softmax(logits, -1).square().sum(-1)
+    torch.testing.assert_close(got, direct, **EXACT)
+    if logits.abs().max() < 100:  # the logsumexp form itself is only stable at moderate scale
+        lse_form = torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1))
+        torch.testing.assert_close(got, lse_form, **EXACT)
+    assert bool(((got >= 1 / logits.shape[-1] - 1e-15) & (got <= 1)).all())
+
+
+def test_sum_pi_squared_extreme_scales():
+    """|z| = 1e4 and ties: one-hot gives exactly 1, a k-way tie gives 1/k."""
+    z = torch.tensor([[1e4, -1e4, 0.0], [1e4, 1e4, -1e4], [-1e4, -1e4, -1e4]], dtype=torch.float32)
+    torch.testing.assert_close(sum_pi_squared(z), torch.tensor([1.0, 0.5, 1 / 3]), rtol=1e-6, atol=0)
+
+
+def test_sum_pi_squared_masked_vocabulary():
+    """-inf logits drop out: Σπ² equals that of the remaining entries."""
+    z = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    masked = z.clone()
+    masked[:, 4:] = float("-inf")
+    torch.testing.assert_close(sum_pi_squared(masked), sum_pi_squared(z[:, :4]), **EXACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sum_pi_squared_low_precision_inputs(dtype):
+    """Low-precision logits are evaluated in fp32: equal to fp64 on the same rounded values to fp32 accuracy."""
+    z = (torch.randn(64, 50, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    got = sum_pi_squared(z)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), sum_pi_squared(z.double()), rtol=1e-5, atol=0)
+
+
+def test_sum_pi_squared_rejects_undefined_rows():
+    """A row with NaN, +inf or no finite logit has no distribution: ValueError naming logits."""
+    for bad in [float("nan"), float("inf")]:
+        z = torch.zeros(2, 3)
+        z[1, 0] = bad
+        with pytest.raises(ValueError, match="logits"):
+            sum_pi_squared(z)
+    with pytest.raises(ValueError, match="logits"):
+        sum_pi_squared(torch.full((1, 3), float("-inf")))
+    with pytest.raises(ValueError, match="temperature"):
+        sum_pi_squared(torch.zeros(1, 3), temperature=0.0)
+
+
+def test_sum_pi_squared_does_not_modify_input():
+    z = torch.randn(3, 4, dtype=torch.float32)
+    before = z.clone()
+    sum_pi_squared(z, temperature=0.5)
+    assert torch.equal(z, before)
+
+
+@given(st.integers(1, 5), st.integers(1, 6), st.integers(2, 8), st.integers(0, 2**31 - 1))
+def test_lm_head_identity(rows, d, vocab, seed):
+    """For z = U h: ||∇_U log π(y)||_F² = (1 − 2π_y + Σπ²) ||h||² (F6 case b), per row."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.randn(vocab, d, dtype=torch.float64, generator=g)
+    for _ in range(rows):
+        h = torch.randn(d, dtype=torch.float64, generator=g)
+        y = int(torch.randint(vocab, (1,), generator=g))
+        weight = U.clone().requires_grad_(True)
+        log_probs, sps = logprobs_and_sum_pi_squared(h[None], weight, torch.tensor([y]))
+        (grad,) = torch.autograd.grad(log_probs.sum(), weight)
+        predicted = token_energy(log_probs.detach(), sps)[0] * h.square().sum()
+        torch.testing.assert_close(grad.square().sum(), predicted, **EXACT)
+
+
+@given(
+    st.integers(1, 40), st.integers(1, 8), st.integers(1, 30), st.integers(1, 50),
+    st.sampled_from([1.0, 0.6]), st.integers(0, 2**31 - 1),
+)
+def test_chunked_equals_naive_values_and_gradients_fp64(n, d, vocab, chunk_size, temperature, seed):
+    """Chunked log-probs, Σπ² and both gradients equal the full-logits computation (fp64)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, dtype=torch.float64, generator=g) * 2
+    weight = torch.randn(vocab, d, dtype=torch.float64, generator=g)
+    targets = torch.randint(vocab, (n,), generator=g)
+    upstream = torch.randn(n, dtype=torch.float64, generator=g)
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, sps = logprobs_and_sum_pi_squared(h1, w1, targets, temperature=temperature, chunk_size=chunk_size)
+    (lp * upstream).sum().backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp_ref, sps_ref = _naive(h2, w2, targets, temperature)
+    (lp_ref * upstream).sum().backward()
+    torch.testing.assert_close(lp, lp_ref, **EXACT)
+    torch.testing.assert_close(sps, sps_ref, **EXACT)
+    torch.testing.assert_close(h1.grad, h2.grad, **EXACT)
+    torch.testing.assert_close(w1.grad, w2.grad, **EXACT)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_chunked_equals_naive_low_precision(dtype, tol):
+    """fp32 and bf16 inputs: chunked equals naive to the rounding of the input dtype (3-D hidden too)."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(4, 25, 16, generator=g).to(dtype)
+    weight = (torch.randn(300, 16, generator=g) / 4).to(dtype)
+    targets = torch.randint(300, (4, 25), generator=g)
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, sps = logprobs_and_sum_pi_squared(h1, w1, targets, chunk_size=7)
+    lp.sum().backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp_ref, sps_ref = _naive(h2, w2, targets)
+    lp_ref.sum().backward()
+    assert lp.dtype == torch.float32 and lp.shape == targets.shape
+    torch.testing.assert_close(lp, lp_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(sps, sps_ref, rtol=tol, atol=tol)
+    assert h1.grad.dtype == dtype and w1.grad.dtype == dtype
+    torch.testing.assert_close(h1.grad.float(), h2.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(w1.grad.float(), w2.grad.float(), rtol=tol, atol=tol)
+
+
+def test_chunked_saves_no_logits_for_backward():
+    """Backward keeps hidden, weight, targets and one scalar per row, never a [*, V] buffer."""
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp, sps = logprobs_and_sum_pi_squared(hidden, weight, torch.randint(1000, (64,)), chunk_size=16)
+    assert saved, "the hook saw the saved tensors"
+    assert max(t.numel() for t in saved) == weight.numel()
+    assert sum(t.numel() for t in saved) <= weight.numel() + hidden.numel() + 2 * 64
+    assert not sps.requires_grad
+
+
+def test_chunked_only_one_input_needs_grad():
+    """Gradients flow to whichever of hidden / weight requires them."""
+    hidden, weight = torch.randn(5, 3), torch.randn(7, 3)
+    targets = torch.randint(7, (5,))
+    for h_grad, w_grad in [(True, False), (False, True)]:
+        h, w = hidden.clone().requires_grad_(h_grad), weight.clone().requires_grad_(w_grad)
+        logprobs_and_sum_pi_squared(h, w, targets)[0].sum().backward()
+        assert (h.grad is not None) == h_grad and (w.grad is not None) == w_grad
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 3), targets=torch.zeros(3, dtype=torch.long)), "hidden"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4).double(), targets=torch.zeros(3, dtype=torch.long)), "weight"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(2, dtype=torch.long)), "targets"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.full((3,), 5)), "targets"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3)), "targets"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3, dtype=torch.long), chunk_size=0), "chunk_size"),
+        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3, dtype=torch.long), temperature=-1), "temperature"),
+    ],
+)
+def test_chunked_rejects_bad_input(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        logprobs_and_sum_pi_squared(**kwargs)
+
+
+def test_token_energy_rejects_shape_mismatch_and_clamps():
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        token_energy(torch.zeros(2, 3), torch.zeros(3, 2))
+    # Inconsistent inputs (Σπ² below π_y²) are clamped into [0, 2].
+    assert float(token_energy(torch.tensor([0.0]), torch.tensor([0.5]))) == 0.0
