@@ -32,6 +32,7 @@ baseline: its advantage is its return.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -77,18 +78,32 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 
 
-class _Batch(NamedTuple):
-    """Validated inputs, converted to the computation dtype; nothing aliases a caller's tensor that is written."""
+class _Inputs(NamedTuple):
+    """The caller's tensors after metadata checks (shapes, devices, dtypes); never written to."""
 
-    rewards: torch.Tensor  # [B, T] zero off the mask
-    valid: torch.Tensor  # [B, T] bool
+    rewards: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T]
+    old_log_probs: torch.Tensor | None  # [B, T]
+    sum_pi_squared: torch.Tensor | None  # [B, T]
+    rollout_is_weights: torch.Tensor | None  # [B, T]
+    cumulative_energy: torch.Tensor | None  # [B, T]
+    grad_norms_sq: torch.Tensor | None  # [B]
     group: torch.Tensor  # [B] int64 dense group numbers
     num_groups: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # computation dtype
+
+
+class _Block(NamedTuple):
+    """One block of rows, read and checked; every tensor is zero off the mask."""
+
+    rows: slice
+    mask: torch.Tensor  # [b, T] 0/1 in the computation dtype (multiplying by it is cheap; bool ops are not)
+    rewards: torch.Tensor  # [b, T]
+    energy: torch.Tensor | None  # [b, T] per-token w_t ρ̄_t² (length/proxy)
 
 
 # ---------------------------------------------------------------------------
-# Segment (group) reductions: the whole vectorisation lives here.
+# Segment (group) reductions: the vectorisation over groups lives here.
 # ---------------------------------------------------------------------------
 
 
@@ -105,77 +120,105 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
 
 
 def _group_weighted_mean(
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    group: torch.Tensor,
-    num_groups: int,
-    leave_one_out: bool,
-    epsilon: float,
+    values: torch.Tensor, weights: torch.Tensor, group: torch.Tensor, num_groups: int, leave_one_out: bool, epsilon: float
 ) -> torch.Tensor:
-    """Baseline ``Σ_j w_j x_j / (Σ_j w_j + ε)`` over each row's group (F7).
+    """Baseline ``Σ_j w_j x_j / (Σ_j w_j + ε)`` over each row's group (F7), ``[B] -> [B]``.
 
-    values, weights: ``[B]`` or ``[B, T]`` (weights zero where a row does not
-    count). With ``leave_one_out`` the row's own term is removed from both sums.
-    Returns the baseline for every row, shaped like ``values``.
+    Weights are zero for rows that do not count. With ``leave_one_out`` the
+    row's own term is removed from both sums.
     """
-    weighted = weights * values  # [B, *]
-    numerator = _segment_sum(weighted, group, num_groups)  # [G, *]
-    denominator = _segment_sum(weights, group, num_groups)  # [G, *]
-    if not leave_one_out:
-        # One ratio per group, then one gather: [G, *] -> [B, *].
-        return _safe_ratio(numerator, denominator + epsilon)[group]
-    numerator = numerator[group] - weighted  # [B, *]
-    denominator = denominator[group] - weights  # [B, *]
+    weighted = weights * values
+    numerator = _segment_sum(weighted, group, num_groups)[group]
+    denominator = _segment_sum(weights, group, num_groups)[group]
+    if leave_one_out:
+        numerator, denominator = numerator - weighted, denominator - weights
     return _safe_ratio(numerator, denominator + epsilon)
 
 
-def _group_std(
-    values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor
-) -> torch.Tensor:
-    """Unbiased standard deviation of ``values [B]`` over each group's counted rows, gathered to ``[B]``."""
+def _group_std(values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
+    """Unbiased standard deviation of ``values [B]`` over each group's counted rows, gathered to ``[B]`` (two-pass)."""
     mean = _segment_sum(torch.where(counted, values, 0.0), group, num_groups) / counts.clamp(min=1)  # [G]
     deviations = torch.where(counted, values - mean[group], 0.0)  # [B]
-    squares = _segment_sum(deviations.square(), group, num_groups)  # [G]
-    return (squares / (counts - 1).clamp(min=1)).sqrt()[group]
+    return (_segment_sum(deviations.square(), group, num_groups) / (counts - 1).clamp(min=1)).sqrt()[group]
 
 
 # ---------------------------------------------------------------------------
-# Energies (the second axis of the table).
+# Reading the inputs block by block (checks ride along on data in cache).
 # ---------------------------------------------------------------------------
 
-
-def _per_token_energy(energy: str, batch: _Batch, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """``w_t [B, T]``: 1 (length) or the proxy (F6), times ``ρ̄_t²``, zero off the mask."""
-    if energy == "length":
-        w = batch.valid.to(batch.dtype)
-    else:  # proxy
-        w = token_energy(inputs["old_log_probs"].to(batch.dtype), inputs["sum_pi_squared"].to(batch.dtype))
-    if inputs["rollout_is_weights"] is not None:
-        w = w * inputs["rollout_is_weights"].to(batch.dtype).square()
-    return torch.where(batch.valid, w, 0.0)
+# Elements per row block on CPU: the block's ~10 temporaries stay in cache.
+# Accelerators take all rows at once.
+_CPU_BLOCK_ELEMENTS = 1 << 18
 
 
-def _sequence_weights(energy: str, batch: _Batch, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Per-response weight ``v [B]`` of the sequence baseline."""
-    if energy == "uniform":
-        return torch.ones(batch.rewards.shape[0], dtype=batch.dtype, device=batch.rewards.device)
-    if energy == "exact":
-        return inputs["grad_norms_sq"].to(batch.dtype)
-    return _per_token_energy(energy, batch, inputs).sum(dim=-1)
+def _row_blocks(batch_size: int, length: int, device: torch.device) -> list[slice]:
+    if device.type != "cpu":
+        return [slice(0, batch_size)]
+    rows = max(1, _CPU_BLOCK_ELEMENTS // max(length, 1))
+    return [slice(start, min(start + rows, batch_size)) for start in range(0, batch_size, rows)]
 
 
-def _cumulative_weights(energy: str, batch: _Batch, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Realized energy ``W_t [B, T]`` of the token baseline, zero off the mask."""
-    if energy == "uniform":
-        return batch.valid.to(batch.dtype)
-    if energy == "exact":
-        return torch.where(batch.valid, inputs["cumulative_energy"].to(batch.dtype), 0.0)
-    return _per_token_energy(energy, batch, inputs).cumsum(dim=-1)
+def _in_range(bounds: tuple[torch.Tensor, torch.Tensor], low: float, high: float, low_inclusive: bool) -> bool:
+    lo, hi = float(bounds[0]), float(bounds[1])
+    above_low = lo >= low if low_inclusive else lo > low
+    return above_low and hi <= high and math.isfinite(lo) and math.isfinite(hi)
 
 
-# ---------------------------------------------------------------------------
-# Token-level pieces: alignment for multi-turn, the zero tail.
-# ---------------------------------------------------------------------------
+def _checked(
+    name: str, full: torch.Tensor, rows: slice, mask: torch.Tensor, dtype: torch.dtype,
+    low: float = -math.inf, high: float = math.inf, low_inclusive: bool = False, rule: str = "",
+) -> tuple[torch.Tensor, bool]:
+    """``(full[rows] in dtype, clean)`` after checking that the valid entries are finite and in range.
+
+    ``clean`` says every entry, on the mask or off it, passed: then masking by
+    multiplication is exact. Otherwise something off the mask is NaN, inf or
+    out of range (allowed: it is ignored) and callers mask with ``where``.
+    """
+    raw = full[rows]
+    clean = raw.numel() == 0 or _in_range(torch.aminmax(raw), low, high, low_inclusive)
+    if not clean:
+        valid = mask != 0
+        if bool(valid.any()) and not _in_range(torch.aminmax(raw[valid]), low, high, low_inclusive):
+            full_valid = torch.zeros(full.shape, dtype=torch.bool, device=full.device)
+            full_valid[rows] = valid
+            _checks.require_finite(name, full, where=full_valid)  # raises, naming the index
+            _checks.require_in_range(name, full, low, high, where=full_valid, low_inclusive=low_inclusive, rule=rule)
+    return raw.to(dtype), clean
+
+
+def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where the mask is 1, zero elsewhere, whatever stood there."""
+    return values * mask if clean else torch.where(mask != 0, values, 0.0)
+
+
+def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
+    """Validate one block of rows, zero it off the mask, compute its per-token energies."""
+    dtype = inputs.dtype
+    raw_mask = inputs.mask[rows]
+    mask = raw_mask.to(dtype)  # [b, T]
+    if raw_mask.dtype != torch.bool and mask.numel():
+        # Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0).
+        in_unit = _in_range(torch.aminmax(mask), 0.0, 1.0, low_inclusive=True)
+        if not (in_unit and float(torch.sum(mask * (1.0 - mask))) == 0.0):
+            _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
+    rewards = _apply_mask(*_checked("token_level_rewards", inputs.rewards, rows, mask, dtype), mask)
+    energy, clean = None, True
+    if spec.energy == "length":
+        energy = mask
+    elif spec.energy == "proxy":
+        log_probs, clean_lp = _checked("old_log_probs", inputs.old_log_probs, rows, mask, dtype)
+        sum_sq, clean_sq = _checked(
+            "sum_pi_squared", inputs.sum_pi_squared, rows, mask, dtype,
+            low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]",
+        )
+        energy = torch.add(sum_sq, log_probs.exp(), alpha=-2.0).add_(1.0).clamp_(0.0, 2.0)  # 1 − 2π + Σπ² (F6)
+        clean = clean_lp and clean_sq
+    if energy is not None and inputs.rollout_is_weights is not None:
+        rho, clean_rho = _checked("rollout_is_weights", inputs.rollout_is_weights, rows, mask, dtype, low=0.0, low_inclusive=True, rule="must be >= 0")
+        energy, clean = energy * rho.square(), clean and clean_rho
+    if energy is not None and energy is not mask:
+        energy = _apply_mask(energy, clean, mask)
+    return _Block(rows, mask, rewards, energy)
 
 
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -183,25 +226,27 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
+def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` int64: k for a response's k-th generated token; ``T`` (a discard column) off the mask."""
+    rank = mask.cumsum(dim=-1).long() - 1
+    return torch.where(mask != 0, rank, mask.shape[1])
+
+
 def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Move each valid entry of ``values [B, T]`` to column ``slot`` (``T`` = discard)."""
+    """Move each entry of ``values [b, T]`` to column ``slot`` (``T`` = discard)."""
     batch_size, length = values.shape
-    out = values.new_zeros((batch_size, length + 1))
-    return out.scatter_(1, slot, values)[:, :length]
+    return values.new_zeros((batch_size, length + 1)).scatter_(1, slot, values)[:, :length]
 
 
-def _zero_tail(
-    baseline: torch.Tensor,
-    lengths: torch.Tensor,
-    counted: torch.Tensor,
-    group: torch.Tensor,
-    num_groups: int,
-    counts: torch.Tensor,
-) -> torch.Tensor:
-    """Zero the baseline of a group's unique longest response past the second-longest length.
+# ---------------------------------------------------------------------------
+# Group statistics that decide where a baseline applies.
+# ---------------------------------------------------------------------------
 
-    baseline: ``[B, T]`` in slot coordinates; lengths: ``[B]`` valid-token
-    counts; counted: ``[B]`` rows that take part in their group.
+
+def _zero_tail_start(lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the second-longest length of the group for its unique longest response, else ``T``-like infinity.
+
+    The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``).
     """
     lengths = torch.where(counted, lengths, -1)
     longest = lengths.new_full((num_groups,), -1).scatter_reduce_(0, group, lengths, "amax")  # [G]
@@ -210,44 +255,120 @@ def _zero_tail(
     others = torch.where(is_longest, -1, lengths)
     second = others.new_full((num_groups,), -1).scatter_reduce_(0, group, others, "amax")  # [G]
     unique_longest = is_longest & (num_longest[group] == 1) & (counts[group] >= 2)  # [B]
-    positions = torch.arange(baseline.shape[1], device=baseline.device)  # [T]
-    tail = unique_longest[:, None] & (positions[None, :] >= second[group][:, None])  # [B, T]
-    return baseline.masked_fill(tail, 0.0)
-
-
-def _token_baseline(
-    returns_to_go: torch.Tensor,
-    cumulative_weights: torch.Tensor,
-    batch: _Batch,
-    counted: torch.Tensor,
-    counts: torch.Tensor,
-    leave_one_out: bool,
-    multi_turn: bool,
-    handle_zero_tail: bool,
-    epsilon: float,
-) -> torch.Tensor:
-    """Per-position baseline ``B_t [B, T]`` (F7), on absolute or generated-token positions."""
-    valid = batch.valid
-    lengths = valid.sum(dim=-1)  # [B]
-    if multi_turn:
-        # Slot k holds a response's k-th generated (unmasked) token.
-        slot = torch.where(valid, valid.cumsum(dim=-1) - 1, valid.shape[1])  # [B, T]
-        returns_to_go = _to_slots(returns_to_go, slot)
-        cumulative_weights = _to_slots(cumulative_weights, slot)
-        positions = torch.arange(valid.shape[1], device=valid.device)
-        valid = positions[None, :] < lengths[:, None]  # [B, T] alive in slot space
-    weights = torch.where(valid, cumulative_weights, 0.0)  # [B, T]
-    baseline = _group_weighted_mean(returns_to_go, weights, batch.group, batch.num_groups, leave_one_out, epsilon)
-    baseline = baseline.masked_fill(~(counted & (counts[batch.group] >= 2))[:, None], 0.0)
-    if handle_zero_tail:
-        baseline = _zero_tail(baseline, lengths, counted, batch.group, batch.num_groups, counts)
-    if multi_turn:
-        baseline = baseline.gather(1, slot.clamp(max=valid.shape[1] - 1))
-    return baseline
+    return torch.where(unique_longest, second[group], torch.iinfo(torch.int64).max)
 
 
 # ---------------------------------------------------------------------------
-# Validation.
+# The two granularities.
+# ---------------------------------------------------------------------------
+
+
+def _sequence_advantages(spec: Estimator, inputs: _Inputs, epsilon: float, baseline_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table)."""
+    batch_size, length = inputs.rewards.shape
+    device, dtype = inputs.rewards.device, inputs.dtype
+    mask = torch.empty((batch_size, length), dtype=dtype, device=device)
+    total_return = torch.zeros(batch_size, dtype=dtype, device=device)  # R [B]
+    weights = torch.ones(batch_size, dtype=dtype, device=device)  # v [B] (uniform)
+    for rows in _row_blocks(batch_size, length, device):
+        block = _read_block(spec, inputs, rows)
+        mask[rows] = block.mask
+        total_return[rows] = block.rewards.sum(dim=-1)
+        if block.energy is not None:
+            weights[rows] = block.energy.sum(dim=-1)
+    if spec.energy == "exact":
+        weights = inputs.grad_norms_sq.to(dtype)
+    counted = torch.ones(batch_size, dtype=torch.bool, device=device)
+    counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
+    in_group = counts[inputs.group] >= 2  # [B]
+    baseline = _group_weighted_mean(total_return, weights, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_eps)
+    advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
+    if spec.std_normalize:
+        std = _group_std(total_return, counted, inputs.group, inputs.num_groups, counts)
+        advantage = torch.where(in_group, advantage / (std + epsilon), advantage)
+    return advantage[:, None] * mask, total_return[:, None] * mask
+
+
+def _token_advantages(
+    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
+
+    Pass 1 (per row block): returns to go, realized energies ``W_t``, and the
+    group sums ``Σ_j W_t^j G_t^j`` and ``Σ_j W_t^j`` by ``index_add_`` into
+    ``[G, T]``. Pass 2 (per row block): each row's baseline from its group's
+    sums (minus its own term with ``leave_one_out``), where it applies.
+    """
+    batch_size, length = inputs.rewards.shape
+    device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
+    returns = torch.empty((batch_size, length), dtype=dtype, device=device)  # G_t [B, T]
+    lengths = torch.empty(batch_size, dtype=torch.long, device=device)  # generated tokens per row
+    own_energy = torch.empty_like(returns) if spec.leave_one_out else None  # W_t [B, T]
+    numerator = torch.zeros((inputs.num_groups, length), dtype=dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
+    denominator = torch.zeros_like(numerator)  # Σ_j W_t^j [G, T]
+    blocks = _row_blocks(batch_size, length, device)
+
+    for rows in blocks:  # pass 1
+        block = _read_block(spec, inputs, rows)
+        mask = block.mask
+        lengths[rows] = mask.sum(dim=-1).long()
+        returns_to_go = _reverse_cumsum(block.rewards)  # [b, T]
+        returns[rows] = returns_to_go
+        if spec.energy == "uniform":
+            energy = mask  # W_t = 1 while alive
+        elif spec.energy == "exact":
+            energy = _apply_mask(*_checked(
+                "cumulative_energy", inputs.cumulative_energy, rows, mask, dtype, low=0.0, low_inclusive=True, rule="must be >= 0"
+            ), mask)  # ||S_t||²
+        else:
+            energy = block.energy.cumsum(dim=-1).mul_(mask)  # realized energy W_t, zero where not alive
+        if own_energy is not None:
+            own_energy[rows] = energy
+        if multi_turn:  # compare k-th generated tokens, not absolute positions
+            slot = _generated_token_rank(mask)
+            energy, returns_to_go = _to_slots(energy, slot), _to_slots(returns_to_go, slot)
+        numerator.index_add_(0, group[rows], energy * returns_to_go)
+        denominator.index_add_(0, group[rows], energy)
+
+    counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
+    counts = _segment_sum(counted.long(), group, inputs.num_groups)  # [G]
+    # A baseline applies to counted rows of groups with two or more counted rows
+    # (uncounted rows are empty: their advantage is zero anyway).
+    group_has_baseline = (counts >= 2).to(dtype)  # [G]
+    tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts) if handle_zero_tail else None
+    scale = None
+    if spec.std_normalize:
+        std = _group_std(returns[:, 0] if length else lengths.to(dtype), counted, group, inputs.num_groups, counts)
+        scale = torch.where(counts[group] >= 2, 1.0 / (std + epsilon), 1.0)  # [B]
+    group_baseline = None
+    if not spec.leave_one_out:
+        group_baseline = _safe_ratio(numerator, denominator + baseline_eps) * group_has_baseline[:, None]  # [G, T]
+    positions = torch.arange(length, device=device)
+    advantages = torch.empty_like(returns)
+
+    for rows in blocks:  # pass 2
+        mask = inputs.mask[rows].to(dtype)
+        slot = _generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
+        at_slot = (lambda x: x.gather(1, slot)) if multi_turn else (lambda x: x)  # noqa: E731
+        if spec.leave_one_out:
+            own = own_energy[rows]
+            num = at_slot(numerator[group[rows]]) - own * returns[rows]
+            baseline = _safe_ratio(num, at_slot(denominator[group[rows]]) - own + baseline_eps)
+            baseline = baseline * group_has_baseline[group[rows], None]
+        else:
+            baseline = at_slot(group_baseline[group[rows]])  # [b, T]
+        if tail_start is not None:
+            token_position = slot if multi_turn else positions[None, :]
+            baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)
+        advantage = (returns[rows] - baseline).mul_(mask)
+        if scale is not None:
+            advantage.mul_(scale[rows, None])
+        advantages[rows] = advantage
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------
+# Validation of everything that is not a value (values are checked per block).
 # ---------------------------------------------------------------------------
 
 
@@ -269,82 +390,60 @@ def _resolve_estimator(estimator: str | Estimator, leave_one_out: bool | None, s
     return spec
 
 
+_REQUIRED = {
+    ("sequence", "proxy"): ("old_log_probs", "sum_pi_squared"),
+    ("token", "proxy"): ("old_log_probs", "sum_pi_squared"),
+    ("sequence", "exact"): ("grad_norms_sq",),
+    ("token", "exact"): ("cumulative_energy",),
+}
+_TOKEN_INPUTS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights", "cumulative_energy")
+
+
 def _validate(
-    spec: Estimator,
-    token_level_rewards: Any,
-    response_mask: Any,
-    index: Any,
-    inputs: dict[str, Any],
-    multi_turn: bool,
-    handle_zero_tail: bool,
-    epsilon: Any,
-) -> tuple[_Batch, float]:
+    spec: Estimator, token_level_rewards: Any, response_mask: Any, index: Any, named: dict[str, Any], multi_turn: bool, handle_zero_tail: bool
+) -> _Inputs:
     rewards = _checks.require_tensor("token_level_rewards", token_level_rewards)
     if rewards.dim() != 2:
         raise ValueError(f"token_level_rewards: expected shape [B, T], got {tuple(rewards.shape)}")
-    if not (rewards.is_floating_point() or rewards.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool)):
+    if rewards.is_complex():
         raise ValueError(f"token_level_rewards: expected a real dtype, got {rewards.dtype}")
     shape, device = tuple(rewards.shape), rewards.device
     mask = _checks.require_tensor("response_mask", response_mask)
     _checks.require_shape("response_mask", mask, shape, "token_level_rewards")
     _checks.require_device("response_mask", mask, device, "token_level_rewards")
-    valid = _checks.binary_mask("response_mask", mask)
-    _checks.require_finite("token_level_rewards", rewards, where=valid)
+    if mask.is_complex():
+        raise ValueError(f"response_mask: expected 0/1 entries, got complex dtype {mask.dtype}")
     group, num_groups = _checks.group_ids(index, shape[0], device)
-
-    token_inputs = ("old_log_probs", "sum_pi_squared", "rollout_is_weights", "cumulative_energy")
-    for name in token_inputs:
-        if inputs[name] is None:
+    for name in _TOKEN_INPUTS:
+        if named[name] is None:
             continue
-        value = _checks.require_tensor(name, inputs[name])
+        value = _checks.require_tensor(name, named[name])
         _checks.require_shape(name, value, shape, "token_level_rewards")
         _checks.require_device(name, value, device, "token_level_rewards")
         if not value.is_floating_point():
             raise ValueError(f"{name}: expected a floating dtype, got {value.dtype}")
-        _checks.require_finite(name, value, where=valid)
-    if inputs["sum_pi_squared"] is not None:
-        _checks.require_in_range(
-            "sum_pi_squared", inputs["sum_pi_squared"], 0.0, 1.0 + _SUM_PI_SQUARED_SLACK,
-            where=valid, low_inclusive=False, rule="Σπ² of a distribution lies in (0, 1]",
-        )
-    for name in ("rollout_is_weights", "cumulative_energy"):
-        if inputs[name] is not None:
-            _checks.require_in_range(name, inputs[name], 0.0, float("inf"), where=valid, rule="must be >= 0")
-    if inputs["grad_norms_sq"] is not None:
-        value = _checks.require_tensor("grad_norms_sq", inputs["grad_norms_sq"])
+    if named["grad_norms_sq"] is not None:
+        value = _checks.require_tensor("grad_norms_sq", named["grad_norms_sq"])
         _checks.require_shape("grad_norms_sq", value, shape[:1], "the batch size of token_level_rewards")
         _checks.require_device("grad_norms_sq", value, device, "token_level_rewards")
         if not value.is_floating_point():
             raise ValueError(f"grad_norms_sq: expected a floating dtype, got {value.dtype}")
         _checks.require_finite("grad_norms_sq", value)
-        _checks.require_in_range("grad_norms_sq", value, 0.0, float("inf"), rule="squared norms are >= 0")
-
-    required = {
-        ("sequence", "proxy"): ("old_log_probs", "sum_pi_squared"),
-        ("token", "proxy"): ("old_log_probs", "sum_pi_squared"),
-        ("sequence", "exact"): ("grad_norms_sq",),
-        ("token", "exact"): ("cumulative_energy",),
-    }.get((spec.granularity, spec.energy), ())
-    for name in required:
-        if inputs[name] is None:
-            raise ValueError(
-                f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given"
-            )
-    if inputs["rollout_is_weights"] is not None and spec.energy in ("uniform", "exact"):
+        _checks.require_in_range("grad_norms_sq", value, 0.0, math.inf, rule="squared norms are >= 0")
+    for name in _REQUIRED.get((spec.granularity, spec.energy), ()):
+        if named[name] is None:
+            raise ValueError(f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given")
+    if named["rollout_is_weights"] is not None and spec.energy in ("uniform", "exact"):
         raise ValueError(
-            f"rollout_is_weights: scales per-token energies (energy 'length' or 'proxy'); "
-            f"this estimator's energy is {spec.energy!r}"
+            f"rollout_is_weights: scales per-token energies (energy 'length' or 'proxy'); this estimator's energy is {spec.energy!r}"
         )
     if spec.granularity == "sequence" and (multi_turn or handle_zero_tail):
         flag = "multi_turn" if multi_turn else "handle_zero_tail"
         raise ValueError(f"{flag}: applies to token-level estimators only; this estimator is sequence-level")
-    eps = _checks.nonnegative_scalar("epsilon", epsilon)
-
-    dtype = _checks.compute_dtype(
-        rewards if rewards.is_floating_point() else None, *(inputs[name] for name in token_inputs + ("grad_norms_sq",))
-    )
-    masked_rewards = torch.where(valid, rewards.to(dtype), 0.0)  # fresh tensor: NaN off the mask is dropped
-    return _Batch(masked_rewards, valid, group, num_groups, dtype), eps
+    floating = [rewards] if rewards.is_floating_point() else []
+    dtype = _checks.compute_dtype(*floating, *(named[name] for name in _TOKEN_INPUTS + ("grad_norms_sq",)))
+    return _Inputs(rewards, mask, named["old_log_probs"], named["sum_pi_squared"], named["rollout_is_weights"],
+                   named["cumulative_energy"], named["grad_norms_sq"], group, num_groups, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -426,45 +525,18 @@ def compute_advantages(
             (0, 1], ``index`` of the wrong length, flags that do not apply.
     """
     spec = _resolve_estimator(estimator, leave_one_out, std_normalize)
-    inputs = {
-        "old_log_probs": old_log_probs,
-        "sum_pi_squared": sum_pi_squared,
-        "grad_norms_sq": grad_norms_sq,
-        "cumulative_energy": cumulative_energy,
-        "rollout_is_weights": rollout_is_weights,
+    named = {
+        "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "grad_norms_sq": grad_norms_sq,
+        "cumulative_energy": cumulative_energy, "rollout_is_weights": rollout_is_weights,
     }
-    batch, eps = _validate(spec, token_level_rewards, response_mask, index, inputs, multi_turn, handle_zero_tail, epsilon)
+    inputs = _validate(spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail)
+    eps = _checks.nonnegative_scalar("epsilon", epsilon)
     # Counts need no guard: only sums of energies can be tiny but positive.
     baseline_eps = eps if spec.energy in ("proxy", "exact") else 0.0
     with torch.no_grad():
-        returns_to_go = _reverse_cumsum(batch.rewards)  # [B, T]
-        # Rows that take part in their group, and each group's size.
-        counted = batch.valid.any(dim=-1) if multi_turn else torch.ones_like(batch.group, dtype=torch.bool)
-        counts = _segment_sum(counted.long(), batch.group, batch.num_groups)  # [G]
-        total_return = returns_to_go[:, 0] if returns_to_go.shape[1] else batch.rewards.new_zeros(batch.rewards.shape[0])
-
         if spec.granularity == "sequence":
-            weights = _sequence_weights(spec.energy, batch, inputs)  # [B]
-            baseline = _group_weighted_mean(
-                total_return, weights, batch.group, batch.num_groups, spec.leave_one_out, baseline_eps
-            )
-            baseline = torch.where(counts[batch.group] >= 2, baseline, 0.0)  # [B]
-            returns = torch.where(batch.valid, total_return[:, None], 0.0)  # [B, T]
-            advantages = returns - torch.where(batch.valid, baseline[:, None], 0.0)
-        else:
-            cumulative = _cumulative_weights(spec.energy, batch, inputs)  # [B, T]
-            baseline = _token_baseline(
-                returns_to_go, cumulative, batch, counted, counts,
-                spec.leave_one_out, multi_turn, handle_zero_tail, baseline_eps,
-            )  # [B, T]
-            returns = returns_to_go
-            advantages = torch.where(batch.valid, returns_to_go - baseline, 0.0)
-
-        if spec.std_normalize:
-            std = _group_std(total_return, counted, batch.group, batch.num_groups, counts)  # [B]
-            scale = torch.where(counts[batch.group] >= 2, 1.0 / (std + eps), 1.0)
-            advantages = advantages * scale[:, None]
-    return advantages, returns
+            return _sequence_advantages(spec, inputs, eps, baseline_eps)
+        return _token_advantages(spec, inputs, multi_turn, handle_zero_tail, eps, baseline_eps)
 
 
 def compute_optimal_token_baseline_advantage(

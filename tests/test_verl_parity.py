@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import otb_ref
 from strategies import rollout_batches
 
+pytestmark = pytest.mark.usefixtures("row_blocking")
+
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl not installed (requirements-verl.txt)")
 
 # fp64: the same arithmetic up to summation order. fp32: the 1e-6 contract.
