@@ -1,0 +1,22 @@
+"""The benchmark command runs and prints the documented JSON records (tiny shapes; no timing asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_command_quick():
+    """`python benchmarks/run.py --quick` prints one JSON line per measurement, with the ratio fields."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick"], check=True, capture_output=True, text=True, timeout=600)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    otb = [r for r in records if r["bench"] == "otb"]
+    proxy = [r for r in records if r["bench"] == "proxy"]
+    assert len(otb) == 2 and len(proxy) == 2
+    for record in otb:
+        assert record["vectorised_over_floor"] > 0 and record["loop_over_vectorised"] > 0
+    assert {r["mode"] for r in proxy} == {"forward", "forward_backward"}
+    for record in proxy:
+        assert record["chunked_seconds"] > 0 and record["naive_seconds"] > 0
