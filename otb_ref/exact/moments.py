@@ -1,0 +1,143 @@
+"""Exact moments of per-position baseline estimators (THEORY §2, F1–F5).
+
+Every estimator here has the form ``ĝ(y) = Σ_t a_t(y) s_t(y)`` with an
+advantage ``a_t`` that is zero off the mask. Over an :class:`Enumeration`:
+
+    mean      E ĝ    = Σ_y P(y) Σ_t a_t(y) s_t(y)          (one backward pass)
+    second    E||ĝ||² = Σ_y P(y) a_yᵀ K_y a_y             (K_y[t,u] = <s_t, s_u>)
+    variance  Var ĝ  = E||ĝ||² − ||E ĝ||²                  (trace of the covariance)
+
+Population baselines are constants (one per position, or one per sequence):
+
+    token      a_t = m_t (G_t − B_t),   B_t = E[m_t W_t G_t] / E[m_t W_t]
+    sequence   a_t = m_t (R − b),       b   = E[v R] / E[v]
+
+with the energies of THEORY §3, and the variance-optimal ``B**`` of F4:
+``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from otb_ref.exact.policies import Enumeration
+
+__all__ = [
+    "Moments",
+    "POPULATION_ESTIMATORS",
+    "estimator_moments",
+    "returns_to_go",
+    "outcome_rewards",
+    "population_baseline",
+    "population_advantages",
+    "optimal_token_baseline",
+]
+
+
+@dataclass
+class Moments:
+    """Exact first and second moments of a vector estimator."""
+
+    mean: torch.Tensor  # [P] E ĝ
+    second_moment: float  # E||ĝ||²
+    variance: float  # E||ĝ||² − ||E ĝ||²
+    bias: torch.Tensor  # [P] E ĝ − ∇J (∇J = E[Σ_t m_t s_t G_t])
+
+    @property
+    def bias_norm(self) -> float:
+        return float(self.bias.norm())
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``G_t = Σ_{k≥t} m_k r_k``: ``[M, L] -> [M, L]``."""
+    return (rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
+def outcome_rewards(enum: Enumeration, outcome: torch.Tensor) -> torch.Tensor:
+    """Outcome reward ``R [M]`` placed at each response's last token: ``[M, L]``."""
+    last = (enum.mask.sum(-1).long() - 1).clamp(min=0)
+    rewards = torch.zeros_like(enum.mask)
+    rewards[torch.arange(len(last)), last] = outcome.to(rewards.dtype)
+    return rewards
+
+
+def estimator_moments(enum: Enumeration, advantages: torch.Tensor, rewards: torch.Tensor) -> Moments:
+    """Exact mean, second moment, variance and bias of ``ĝ = Σ_t a_t s_t``.
+
+    advantages: ``[M, L]`` (zero off the mask); rewards: ``[M, L]`` token
+    rewards, defining the true gradient ``∇J = E[Σ_t m_t s_t G_t]``.
+    """
+    advantages = advantages * enum.mask
+    target = returns_to_go(rewards, enum.mask) * enum.mask
+    mean = enum.score_sum(enum.probs[:, None] * advantages)
+    bias = enum.score_sum(enum.probs[:, None] * (advantages - target))
+    second = float((enum.probs * enum.gram_quadratic(advantages)).sum())
+    return Moments(mean=mean, second_moment=second, variance=second - float(mean @ mean), bias=bias)
+
+
+def _population_mean(values: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``E[w x] / E[w]`` over responses, per trailing position; 0 where ``E[w] = 0``."""
+    p = probs.reshape(-1, *([1] * (values.dim() - 1)))
+    numerator, denominator = (p * weights * values).sum(0), (p * weights).sum(0)
+    return torch.where(denominator > 0, numerator / torch.where(denominator > 0, denominator, 1.0), 0.0)
+
+
+# name -> (granularity, energy): THEORY §3 at population level.
+POPULATION_ESTIMATORS: dict[str, tuple[str, str]] = {
+    "none": ("none", "none"),
+    "mean": ("sequence", "uniform"),
+    "opo": ("sequence", "length"),
+    "sequence_proxy": ("sequence", "proxy"),
+    "eob": ("sequence", "exact"),
+    "token_mean": ("token", "uniform"),
+    "token_length": ("token", "length"),
+    "otb": ("token", "proxy"),
+    "otb_exact": ("token", "exact"),
+    "optimal": ("token", "optimal"),
+}
+
+
+def optimal_token_baseline(enum: Enumeration, rewards: torch.Tensor) -> torch.Tensor:
+    """``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]`` (F4), ``[L]``; 0 where the denominator is 0."""
+    g0 = returns_to_go(rewards, enum.mask) * enum.mask  # a_t of plain REINFORCE
+    inner = torch.einsum("mtu,mu->mt", enum.gram, g0)  # <s_t, ĝ_0(y)> [M, L]
+    return _population_mean(inner / torch.where(enum.token_energy_exact > 0, enum.token_energy_exact, 1.0), enum.token_energy_exact, enum.probs)
+
+
+def population_baseline(enum: Enumeration, rewards: torch.Tensor, name: str) -> torch.Tensor:
+    """The population baseline of ``name``: ``[L]`` for token estimators, a 0-d tensor for sequence ones."""
+    granularity, energy = POPULATION_ESTIMATORS[name]
+    mask = enum.mask
+    target = returns_to_go(rewards, mask)  # G_t [M, L]
+    if granularity == "none":
+        return torch.zeros((), dtype=mask.dtype)
+    if granularity == "sequence":
+        total = target[:, 0]  # R [M]
+        weight = {
+            "uniform": torch.ones_like(total),
+            "length": mask.sum(-1),
+            "proxy": enum.energy.sum(-1),
+            "exact": enum.sequence_energy_exact,
+        }[energy]
+        return _population_mean(total, weight, enum.probs)
+    if energy == "optimal":
+        return optimal_token_baseline(enum, rewards)
+    weight = {
+        "uniform": mask,
+        "length": mask.cumsum(-1) * mask,
+        "proxy": enum.prefix_energy_proxy,
+        "exact": enum.prefix_energy_exact,
+    }[energy]
+    return _population_mean(target, weight * mask, enum.probs)
+
+
+def population_advantages(enum: Enumeration, rewards: torch.Tensor, name: str) -> torch.Tensor:
+    """``[M, L]`` advantages of the population estimator ``name``: ``m_t (G_t − B_t)`` or ``m_t (R − b)``."""
+    granularity, _ = POPULATION_ESTIMATORS[name]
+    target = returns_to_go(rewards, enum.mask)
+    baseline = population_baseline(enum, rewards, name)
+    if granularity == "sequence":
+        return (target[:, :1] - baseline) * enum.mask
+    return (target - baseline) * enum.mask
