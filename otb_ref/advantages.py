@@ -285,7 +285,7 @@ def _sequence_advantages(spec: Estimator, inputs: _Inputs, epsilon: float, basel
     advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
     if spec.std_normalize:
         std = _group_std(total_return, counted, inputs.group, inputs.num_groups, counts)
-        advantage = torch.where(in_group, advantage / (std + epsilon), advantage)
+        advantage = torch.where(in_group, _safe_ratio(advantage, std + epsilon), advantage)  # std = ε = 0: all equal, 0
     return advantage[:, None] * mask, total_return[:, None] * mask
 
 
@@ -339,7 +339,7 @@ def _token_advantages(
     scale = None
     if spec.std_normalize:
         std = _group_std(returns[:, 0] if length else lengths.to(dtype), counted, group, inputs.num_groups, counts)
-        scale = torch.where(counts[group] >= 2, 1.0 / (std + epsilon), 1.0)  # [B]
+        scale = torch.where(counts[group] >= 2, _safe_ratio(torch.ones_like(std), std + epsilon), 1.0)  # [B]; 0 if std = ε = 0
     group_baseline = None
     if not spec.leave_one_out:
         group_baseline = _safe_ratio(numerator, denominator + baseline_eps) * group_has_baseline[:, None]  # [G, T]

@@ -121,6 +121,6 @@ def reference_advantages(
             if std_norm and n >= 2 and counted[i]:
                 mean = sum(R[j] for j in rows) / n
                 std = math.sqrt(sum((R[j] - mean) ** 2 for j in rows) / (n - 1))
-                adv[i] = [a / (std + epsilon) for a in adv[i]]
+                adv[i] = [a / (std + epsilon) if std + epsilon > 0 else 0.0 for a in adv[i]]
     as_tensor = lambda x: torch.tensor(x, dtype=torch.float64).reshape(B, T)  # noqa: E731
     return as_tensor(adv), as_tensor(ret)

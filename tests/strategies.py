@@ -115,3 +115,47 @@ def logits_tensors(max_rows: int = 6, max_vocab: int = 9):
         return torch.randn(rows, vocab, generator=generator, dtype=torch.float64) * scale
 
     return build()
+
+
+@dataclass
+class PolicyCase:
+    """A small enumerable policy with rewards of every response."""
+
+    enum: object  # otb_ref.exact.policies.Enumeration
+    rewards: torch.Tensor  # [M, L]
+    outcome: bool
+
+
+@st.composite
+def policy_cases(draw, kinds=("tree", "shared"), max_vocab: int = 4, max_horizon: int = 4, outcome=None, eos=None, max_responses: int = 400):
+    """A tree or shared policy (vocab 2..max_vocab with EOS, horizon 1..max_horizon) with outcome or dense rewards."""
+    from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
+
+    kind = draw(st.sampled_from(kinds))
+    use_eos = draw(st.booleans()) if eos is None else eos
+    vocab = draw(st.integers(2, max_vocab))
+    horizon = draw(st.integers(1, max_horizon))
+    while (vocab ** horizon if not use_eos else vocab * (vocab - 1) ** max(horizon - 1, 0) + horizon) > max_responses:
+        horizon -= 1
+    horizon = max(horizon, 1)
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.3, 1.0, 2.0]))
+    policy = (TreePolicy if kind == "tree" else SharedPolicy)(vocab, horizon, eos=use_eos, scale=scale, seed=seed)
+    enum = enumerate_policy(policy, keep_scores=True)
+    use_outcome = draw(st.booleans()) if outcome is None else outcome
+    rng = np.random.default_rng(seed)
+    num = enum.tokens.shape[0]
+    if use_outcome:
+        from otb_ref.exact.moments import outcome_rewards
+
+        values = rng.choice([0.0, 1.0, rng.normal()], size=num)
+        rewards = outcome_rewards(enum, torch.tensor(values))
+    else:
+        # Dense token rewards must be causal: r_t is a function of y_1..y_t (a random table over prefixes).
+        table: dict = {}
+        rewards = torch.zeros_like(enum.mask)
+        for y in range(num):
+            for t in range(int(enum.mask[y].sum())):
+                key = tuple(enum.tokens[y, : t + 1].tolist())
+                rewards[y, t] = table.setdefault(key, float(rng.normal()))
+    return PolicyCase(enum, rewards, use_outcome)

@@ -156,3 +156,13 @@ def test_empty_batch_and_zero_length():
         for name in ["grpo", "token_mean"]:
             adv, ret = compute_advantages(name, rewards, mask, list(range(shape[0])))
             assert adv.shape == shape and ret.shape == shape
+
+
+def test_std_normalize_with_zero_std_and_zero_epsilon_is_zero_not_nan():
+    """Equal rewards in a group, ε = 0: advantages are 0 (no 0/0)."""
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2)
+    for name in ["grpo", "token_mean"]:
+        adv, _ = compute_advantages(name, rewards, mask, [0, 0, 1], std_normalize=True, epsilon=0.0)
+        assert torch.isfinite(adv).all()
+        assert torch.equal(adv[:2], torch.zeros(2, 2, dtype=torch.float64))

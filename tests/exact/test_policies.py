@@ -1,0 +1,103 @@
+"""Enumeration and the score facts F1, F2, F6 (exact, float64)."""
+
+import itertools
+
+import torch
+from hypothesis import given
+
+from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy, enumerate_responses
+from strategies import policy_cases
+
+# Exact sums over <= 400 responses of float64 terms of size <= ~10: rounding ~1e-14.
+ATOL = 1e-11
+
+
+@given(policy_cases())
+def test_enumeration_is_a_distribution_and_gram_is_scores_gram(case):
+    """P sums to 1; K = S Sᵀ per response; masks are prefixes that end at EOS or L."""
+    enum = case.enum
+    assert abs(float(enum.probs.sum()) - 1.0) < 1e-12
+    torch.testing.assert_close(enum.gram, enum.scores @ enum.scores.transpose(1, 2), rtol=0, atol=ATOL)
+    lengths = enum.mask.sum(-1).long()
+    assert bool((enum.mask == (torch.arange(enum.mask.shape[1]) < lengths[:, None]).double()).all())
+
+
+def test_enumeration_counts_and_eos():
+    """Responses end at their first EOS or at the horizon; all are distinct."""
+    tokens, mask = enumerate_responses(3, 3)
+    assert tokens.shape[0] == 1 + 2 + 3 * 4
+    rows = {tuple(t[: int(m.sum())].tolist()) for t, m in zip(tokens, mask)}
+    assert len(rows) == tokens.shape[0]
+    for row in rows:
+        assert 0 not in row[:-1] and (row[-1] == 0 or len(row) == 3)
+    tokens, mask = enumerate_responses(2, 3, eos=False)
+    assert tokens.shape[0] == 8 and bool((mask == 1).all())
+
+
+@given(policy_cases(max_vocab=3, max_horizon=3))
+def test_scores_match_autograd_loop(case):
+    """Per-token scores from vmap(jacrev) equal one autograd.grad per token."""
+    enum = case.enum
+    policy = enum.policy
+    for y in range(min(enum.tokens.shape[0], 6)):
+        for t in range(int(enum.mask[y].sum())):
+            theta = policy.theta.detach().clone().requires_grad_(True)
+            log_softmax = torch.log_softmax(policy.logits(theta, enum.tokens[y]), dim=-1)
+            (grad,) = torch.autograd.grad(log_softmax[t, enum.tokens[y, t]], theta)
+            torch.testing.assert_close(enum.scores[y, t], grad, rtol=0, atol=ATOL)
+
+
+@given(policy_cases())
+def test_f1_score_has_zero_mean(case):
+    """E[s_t | h_t] = 0 for every prefix: Σ_y P(y) m_t s_t 1{h_t = h} = 0 for every (t, h)."""
+    enum = case.enum
+    sums: dict = {}
+    for y, t in itertools.product(range(enum.tokens.shape[0]), range(enum.tokens.shape[1])):
+        if enum.mask[y, t]:
+            key = (t, tuple(enum.tokens[y, :t].tolist()))
+            sums[key] = sums.get(key, 0) + enum.probs[y] * enum.scores[y, t]
+    assert sums
+    for key, total in sums.items():
+        assert float(total.abs().max()) < ATOL, key
+
+
+@given(policy_cases())
+def test_f2_martingale_orthogonality(case):
+    """E[m_j m_t <s_j, s_t>] = 0 for j ≠ t, hence E||S_t||² = E Σ_{j≤t} ||s_j||²."""
+    enum = case.enum
+    expected_gram = torch.einsum("m,mtu->tu", enum.probs, enum.gram)  # [L, L]
+    off_diagonal = expected_gram - torch.diag(torch.diagonal(expected_gram))
+    assert float(off_diagonal.abs().max()) < ATOL
+    # S_t = Σ_{j≤t} m_j s_j, unmasked: a response that ended before t keeps its whole score.
+    # (The masked m_t ||S_t||² is NOT covered: m_t depends on tokens before t.)
+    prefix_sq = torch.diagonal(enum.gram.cumsum(1).cumsum(2), dim1=1, dim2=2)  # ||S_t||² [M, L]
+    lhs = enum.probs @ prefix_sq
+    rhs = enum.probs @ enum.token_energy_exact.cumsum(-1)
+    torch.testing.assert_close(lhs, rhs, rtol=0, atol=ATOL)
+
+
+def test_f2_fails_once_weighted_by_outcome():
+    """With a shared parameter, E[R <s_1, s_2>] ≠ 0: orthogonality needs the weight to be prefix-measurable."""
+    policy = SharedPolicy(2, 2, eos=False, seed=0)
+    policy.theta = torch.zeros_like(policy.theta)  # uniform policy; only the shared bias b has a score
+    enum = enumerate_policy(policy, keep_scores=True)
+    same = (enum.tokens[:, 0] == enum.tokens[:, 1]).double()  # R = 1{y_1 = y_2}
+    weighted = float((enum.probs * same * enum.gram[:, 0, 1]).sum())
+    assert abs(weighted - 0.25) < 1e-12  # P(y_1 = y_2) · <s_1, s_2> = 1/2 · 1/2
+    assert float((enum.probs * enum.gram[:, 0, 1]).sum()) == 0.0  # unweighted: F2
+
+
+@given(policy_cases(kinds=("tree",)))
+def test_f6_tree_policy_proxy_is_exact(case):
+    """Tree policy: ||s_t||² = 1 − 2π_t + Σπ² and ||S_t||² = W_t (realized energy), response by response."""
+    enum = case.enum
+    torch.testing.assert_close(enum.token_energy_exact, enum.energy, rtol=0, atol=ATOL)
+    torch.testing.assert_close(enum.prefix_energy_exact, enum.prefix_energy_proxy, rtol=0, atol=ATOL)
+
+
+def test_tree_and_shared_policies_differ_on_the_proxy():
+    """The shared policy is a genuine test of the approximation: its proxy is not exact."""
+    enum = enumerate_policy(SharedPolicy(3, 3, seed=1))
+    assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) > 1e-3
+    enum = enumerate_policy(TreePolicy(3, 3, seed=1))
+    assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) < ATOL
