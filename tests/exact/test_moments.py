@@ -133,3 +133,13 @@ def test_f5_otb_exact_can_exceed_eob_and_no_baseline():
     torch.testing.assert_close(population_baseline(enum, rewards, "optimal"), torch.tensor([-1 / 4, 1 / 4, 1 / 4], dtype=torch.float64))
     for name, expected in [("otb_exact", 29 / 288), ("none", 18 / 288), ("eob", 16.5 / 288), ("optimal", 4.5 / 288), ("otb", 22.5 / 288)]:
         assert abs(var(name) - expected) < 1e-14, name
+
+
+@given(policy_cases(kinds=("tree",), eos=False, outcome=True))
+def test_f5_tree_otb_between_bstar_and_eob(case):
+    """proofs/F5 E2: tree policy, outcome reward, equal lengths: Var(B**) <= Var(OTB) <= Var(EOB) (exact = proxy energies there)."""
+    variance = {n: _variance(case, population_advantages(case.enum, case.rewards, n)) for n in ["optimal", "otb", "otb_exact", "eob"]}
+    slack = ATOL * (1 + abs(variance["eob"]))
+    for name in ["otb", "otb_exact"]:
+        assert variance["optimal"] <= variance[name] + slack
+        assert variance[name] <= variance["eob"] + slack
