@@ -11,3 +11,36 @@
 
 ``python -m otb_ref.exact`` prints the exact variance table.
 """
+
+from otb_ref.exact.grad_norms import prefix_grad_norms_sq, sequence_grad_norms_sq
+from otb_ref.exact.groups import group_moments
+from otb_ref.exact.moments import (
+    POPULATION_ESTIMATORS,
+    Moments,
+    estimator_moments,
+    optimal_token_baseline,
+    outcome_rewards,
+    population_advantages,
+    population_baseline,
+    returns_to_go,
+)
+from otb_ref.exact.policies import Enumeration, SharedPolicy, TreePolicy, enumerate_policy, enumerate_responses
+
+__all__ = [
+    "Enumeration",
+    "Moments",
+    "POPULATION_ESTIMATORS",
+    "SharedPolicy",
+    "TreePolicy",
+    "enumerate_policy",
+    "enumerate_responses",
+    "estimator_moments",
+    "group_moments",
+    "optimal_token_baseline",
+    "outcome_rewards",
+    "population_advantages",
+    "population_baseline",
+    "prefix_grad_norms_sq",
+    "returns_to_go",
+    "sequence_grad_norms_sq",
+]
