@@ -126,6 +126,8 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.
     if isinstance(index, (list, tuple)):
         if len(index) != batch_size:
             raise ValueError(f"index: length {len(index)} != batch size {batch_size}")
+        if any(isinstance(key, float) for key in index):
+            raise ValueError("index: expected integer or string ids, got a float (floats make unreliable group keys)")
         first_seen: dict[Any, int] = {}
         try:
             numbers = [first_seen.setdefault(key, len(first_seen)) for key in index]

@@ -51,8 +51,9 @@ __all__ = [
 GRANULARITIES = ("sequence", "token")
 ENERGIES = ("uniform", "length", "proxy", "exact")
 
-# Slack for Σπ² above 1: fp32 evaluation of an exact 1 may round up this much.
+# Slack for Σπ² above 1 and log-probabilities above 0: rounding of an exact 1 or 0.
 _SUM_PI_SQUARED_SLACK = 1e-6
+_LOG_PROB_SLACK = 1e-6
 
 
 @dataclass(frozen=True)
@@ -119,20 +120,31 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
 
 
+# Leave-one-out forms "group total minus own term". When one row's weight
+# dominates its group, that subtraction cancels: in fp32 the others' share is
+# lost entirely (a baseline of 3e3 for returns of size 1 was seen). The group
+# sums and the subtraction are therefore done in float64.
+_LEAVE_ONE_OUT_DTYPE = torch.float64
+
+
 def _group_weighted_mean(
     values: torch.Tensor, weights: torch.Tensor, group: torch.Tensor, num_groups: int, leave_one_out: bool, epsilon: float
 ) -> torch.Tensor:
     """Baseline ``Σ_j w_j x_j / (Σ_j w_j + ε)`` over each row's group (F7), ``[B] -> [B]``.
 
     Weights are zero for rows that do not count. With ``leave_one_out`` the
-    row's own term is removed from both sums.
+    row's own term is removed from both sums; that subtraction is done in
+    float64 (see :data:`_LEAVE_ONE_OUT_DTYPE`).
     """
+    dtype = values.dtype
+    if leave_one_out:
+        values, weights = values.to(_LEAVE_ONE_OUT_DTYPE), weights.to(_LEAVE_ONE_OUT_DTYPE)
     weighted = weights * values
     numerator = _segment_sum(weighted, group, num_groups)[group]
     denominator = _segment_sum(weights, group, num_groups)[group]
     if leave_one_out:
         numerator, denominator = numerator - weighted, denominator - weights
-    return _safe_ratio(numerator, denominator + epsilon)
+    return _safe_ratio(numerator, denominator + epsilon).to(dtype)
 
 
 def _group_std(values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
@@ -195,18 +207,21 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
     """Validate one block of rows, zero it off the mask, compute its per-token energies."""
     dtype = inputs.dtype
     raw_mask = inputs.mask[rows]
-    mask = raw_mask.to(dtype)  # [b, T]
-    if raw_mask.dtype != torch.bool and mask.numel():
-        # Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0).
-        in_unit = _in_range(torch.aminmax(mask), 0.0, 1.0, low_inclusive=True)
-        if not (in_unit and float(torch.sum(mask * (1.0 - mask))) == 0.0):
+    if raw_mask.dtype != torch.bool and raw_mask.numel():
+        # Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0), in the mask's own dtype.
+        as_float = raw_mask if raw_mask.is_floating_point() else raw_mask.double()
+        in_unit = _in_range(torch.aminmax(as_float), 0.0, 1.0, low_inclusive=True)
+        if not (in_unit and float(torch.sum(as_float * (1.0 - as_float))) == 0.0):
             _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
+    mask = raw_mask.to(dtype)  # [b, T] exact: entries are 0 or 1
     rewards = _apply_mask(*_checked("token_level_rewards", inputs.rewards, rows, mask, dtype), mask)
     energy, clean = None, True
     if spec.energy == "length":
         energy = mask
     elif spec.energy == "proxy":
-        log_probs, clean_lp = _checked("old_log_probs", inputs.old_log_probs, rows, mask, dtype)
+        log_probs, clean_lp = _checked(
+            "old_log_probs", inputs.old_log_probs, rows, mask, dtype, high=_LOG_PROB_SLACK, rule="a log-probability is <= 0"
+        )
         sum_sq, clean_sq = _checked(
             "sum_pi_squared", inputs.sum_pi_squared, rows, mask, dtype,
             low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]",
@@ -214,7 +229,13 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
         energy = torch.add(sum_sq, log_probs.exp(), alpha=-2.0).add_(1.0).clamp_(0.0, 2.0)  # 1 − 2π + Σπ² (F6)
         clean = clean_lp and clean_sq
     if energy is not None and inputs.rollout_is_weights is not None:
-        rho, clean_rho = _checked("rollout_is_weights", inputs.rollout_is_weights, rows, mask, dtype, low=0.0, low_inclusive=True, rule="must be >= 0")
+        # ρ̄² times an energy <= 2, summed over every token of the batch, must stay finite in dtype.
+        batch_size, length = inputs.rewards.shape
+        rho_max = math.sqrt(torch.finfo(dtype).max / (4.0 * max(batch_size * length, 1)))
+        rho, clean_rho = _checked(
+            "rollout_is_weights", inputs.rollout_is_weights, rows, mask, dtype, low=0.0, high=rho_max,
+            low_inclusive=True, rule=f"must be >= 0, and <= {rho_max:.3g} so that ρ̄² sums stay finite in {dtype}",
+        )
         energy, clean = energy * rho.square(), clean and clean_rho
     if energy is not None and energy is not mask:
         energy = _apply_mask(energy, clean, mask)
@@ -304,7 +325,8 @@ def _token_advantages(
     returns = torch.empty((batch_size, length), dtype=dtype, device=device)  # G_t [B, T]
     lengths = torch.empty(batch_size, dtype=torch.long, device=device)  # generated tokens per row
     own_energy = torch.empty_like(returns) if spec.leave_one_out else None  # W_t [B, T]
-    numerator = torch.zeros((inputs.num_groups, length), dtype=dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
+    sum_dtype = _LEAVE_ONE_OUT_DTYPE if spec.leave_one_out else dtype
+    numerator = torch.zeros((inputs.num_groups, length), dtype=sum_dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
     denominator = torch.zeros_like(numerator)  # Σ_j W_t^j [G, T]
     blocks = _row_blocks(batch_size, length, device)
 
@@ -327,6 +349,8 @@ def _token_advantages(
         if multi_turn:  # compare k-th generated tokens, not absolute positions
             slot = _generated_token_rank(mask)
             energy, returns_to_go = _to_slots(energy, slot), _to_slots(returns_to_go, slot)
+        # In sum_dtype before multiplying: pass 2 subtracts exactly this product for leave-one-out.
+        energy, returns_to_go = energy.to(sum_dtype), returns_to_go.to(sum_dtype)
         numerator.index_add_(0, group[rows], energy * returns_to_go)
         denominator.index_add_(0, group[rows], energy)
 
@@ -351,9 +375,9 @@ def _token_advantages(
         slot = _generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
         at_slot = (lambda x: x.gather(1, slot)) if multi_turn else (lambda x: x)  # noqa: E731
         if spec.leave_one_out:
-            own = own_energy[rows]
-            num = at_slot(numerator[group[rows]]) - own * returns[rows]
-            baseline = _safe_ratio(num, at_slot(denominator[group[rows]]) - own + baseline_eps)
+            own = own_energy[rows].to(sum_dtype)
+            num = at_slot(numerator[group[rows]]) - own * returns[rows].to(sum_dtype)
+            baseline = _safe_ratio(num, at_slot(denominator[group[rows]]) - own + baseline_eps).to(dtype)
             baseline = baseline * group_has_baseline[group[rows], None]
         else:
             baseline = at_slot(group_baseline[group[rows]])  # [b, T]
@@ -512,8 +536,10 @@ def compute_advantages(
             (nothing to average) the baseline is 0.
 
     Returns:
-        ``(advantages, returns)``, both ``[B, T]``, fp32 (fp64 if any input is
-        fp64). ``returns`` is what the baseline is subtracted from: ``G_t``
+        ``(advantages, returns)``, both ``[B, T]``, fp32, or fp64 if any value
+        input (rewards, log-probs, Σπ², energies, IS weights) is fp64; the
+        mask's dtype does not matter. Leave-one-out group sums are formed in
+        fp64 whatever the dtype (a row's own term is subtracted from them). ``returns`` is what the baseline is subtracted from: ``G_t``
         (token level; the reverse cumulative sum of masked rewards, so a hole
         holds the reward still to come) or ``R m_t`` (sequence level).
         ``advantages`` is zero wherever the mask is 0. Inputs are not modified.
@@ -521,8 +547,10 @@ def compute_advantages(
     Raises:
         ValueError: naming the argument, for unknown estimators, missing
             inputs, wrong shapes or devices, non-binary masks, NaN/inf at
-            valid positions, negative energies or IS weights, Σπ² outside
-            (0, 1], ``index`` of the wrong length, flags that do not apply.
+            valid positions, negative energies or IS weights (or IS weights so
+            large that ρ̄² would overflow), log-probabilities above 0, Σπ²
+            outside (0, 1], ``index`` of the wrong length, flags that do not
+            apply.
     """
     spec = _resolve_estimator(estimator, leave_one_out, std_normalize)
     named = {

@@ -72,10 +72,12 @@ def variance_proxy_metrics(
     valid = _checks.binary_mask("response_mask", response_mask)
     for name in ("advantages", "old_log_probs", "sum_pi_squared") + (("rollout_is_weights",) if rollout_is_weights is not None else ()):
         _checks.require_finite(name, {"advantages": advantages, **named}[name], where=valid)
+    if rollout_is_weights is not None:
+        _checks.require_in_range("rollout_is_weights", rollout_is_weights, 0.0, float("inf"), where=valid, rule="must be >= 0")
     if grad_norm is not None:
         grad_norm = _checks.nonnegative_scalar("grad_norm", grad_norm)
 
-    dtype = _checks.compute_dtype(advantages, old_log_probs, sum_pi_squared)
+    dtype = _checks.compute_dtype(advantages, old_log_probs, sum_pi_squared, rollout_is_weights)
     with torch.no_grad():
         w = torch.where(valid, token_energy(old_log_probs.to(dtype), sum_pi_squared.to(dtype)), 0.0)  # [B, T]
         a = _masked_row_mean(advantages.to(dtype), valid)  # [B]

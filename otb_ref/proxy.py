@@ -53,7 +53,7 @@ def _raise_if_nan(name: str, result: torch.Tensor) -> None:
     if bool(torch.isnan(result).any()):
         raise ValueError(
             f"{name}: a row has NaN or +inf logits, or no finite logit at all "
-            "(every entry -inf); Σπ² is undefined there"
+            "(every entry -inf; or fp16 logits beyond ±65504); Σπ² is undefined there"
         )
 
 
@@ -234,5 +234,5 @@ def logprobs_and_sum_pi_squared(
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = max(1, chunk_size)
     log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
-    _raise_if_nan("hidden", sum_sq)
+    _raise_if_nan("hidden, weight", sum_sq)
     return log_probs.reshape(targets.shape), sum_sq.reshape(targets.shape)

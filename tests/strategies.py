@@ -32,14 +32,14 @@ class RolloutBatch:
         }
 
 
-def _consistent_probabilities(rng: np.random.Generator, shape: tuple[int, int], vocab: int):
+def _consistent_probabilities(rng: np.random.Generator, shape: tuple[int, int], vocab: int, uniform_mix: float = 0.01):
     """Sampled-token log-probs and Σπ² of real softmax distributions."""
     logits = rng.normal(size=(*shape, vocab)) * rng.uniform(0.1, 4.0)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     # 1% uniform mixture: π_y <= 0.9975, so every energy is >= (1 - π_y)² > 6e-6 and
     # fp64 rounding of tiny energies cannot dominate a weighted mean (see TOL in the tests).
-    probs = 0.99 * probs + 0.01 / vocab
+    probs = (1 - uniform_mix) * probs + uniform_mix / vocab
     tokens = np.array([[rng.choice(vocab, p=p) for p in row] for row in probs]).reshape(shape)
     pi_y = np.take_along_axis(probs, tokens[..., None], -1)[..., 0]
     return np.log(pi_y), (probs**2).sum(-1)
@@ -56,6 +56,7 @@ def rollout_batches(
     string_ids: bool | None = None,
     allow_empty: bool = True,
     equal_lengths: bool = False,
+    uniform_mix: float = 0.01,
 ) -> RolloutBatch:
     """Groups of 1..max_group_size responses with variable lengths, holes, rewards and energies."""
     num_groups = draw(st.integers(1, max_groups))
@@ -84,7 +85,7 @@ def rollout_batches(
             valid = np.flatnonzero(mask[i])
             if valid.size:
                 rewards[i, valid[-1]] = outcome[i]
-    log_probs, sum_sq = _consistent_probabilities(rng, mask.shape, int(rng.integers(2, 6)))
+    log_probs, sum_sq = _consistent_probabilities(rng, mask.shape, int(rng.integers(2, 6)), uniform_mix)
     use_strings = draw(st.booleans()) if string_ids is None else string_ids
     labels = rng.permutation(num_groups * 7)[:num_groups]
     index = [f"prompt-{labels[g]}" if use_strings else int(labels[g]) for g in range(num_groups) for _ in range(sizes[g])]
