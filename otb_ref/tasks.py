@@ -9,21 +9,26 @@ Pure string functions (no I/O, no randomness outside the explicit seeds):
   ``--data`` rows and for the ``add`` task: the content of the last
   ``\\boxed{...}``, else the last number in the text, compared after
   normalisation (``"1,000" == "1000"``, ``"2.50" == "2.5"``, ``"$7$" == "7"``).
-* :func:`copy_reward` — the graded reward of the long-horizon ``copy`` task.
+* :func:`copy_reward` — the graded reward of the ``copy`` task.
 
 Built-in tasks (``SYNTHETIC_TASKS``):
 
-``add``  (the default) ``"a+b="`` with digits ``a, b`` in 0..9; the answer is
-         ``a+b`` in decimal (one or two digits), so a correct response is
-         ``"7<eos>"`` or ``"13<eos>"``. Reward 1 when the last number of the
-         response equals the answer and the response ended with EOS (a
-         response cut at the token limit gets 0). A uniform random policy
-         scores about 1%; the response length is the policy's choice.
-``copy`` ``"<digits>="`` with ``n`` random digits; the answer is the same
-         string. Graded reward: the fraction of answer positions the response
-         reproduces, divided by ``max(len(response), len(answer))`` so that
-         padding does not pay; 0 without EOS. With ``copy_lengths=(63, 511)``
-         (``--long-horizon``) correct responses are 64–512 tokens long.
+``copy`` (the default) the prompt is ``n`` random digits left-justified in a
+         field of fixed width, then ``=`` (``"37  ="``, width 4, n in 1..4);
+         the answer is the digits (``"37"``). A correct response is
+         ``"37<eos>"``: its length depends on the prompt and the policy must
+         stop by itself. Graded reward :func:`copy_reward` (0 without EOS).
+         The fixed width puts digit ``j`` of the prompt at the same distance
+         from response token ``j`` for every prompt, which a small
+         transformer learns quickly. A uniform random policy scores about
+         0.02. With ``copy_lengths=(63, 511)`` (``--long-horizon``) correct
+         responses are 64–512 tokens long.
+``add``  ``"a+b="`` with digits ``a, b``; the answer is ``a+b`` in decimal
+         (one or two digits). Reward 1 when the last number of the response
+         equals the answer (:func:`math_reward`) and the response ended with
+         EOS. Harder from scratch: with the trainer's defaults the 2-layer model
+         learns the format (a number, then EOS) but not the sums (reward
+         about 0.07 after 300 steps).
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ class CharTokenizer:
         except KeyError as error:
             raise ValueError(f"text: character {error.args[0]!r} is not in the synthetic vocabulary") from None
 
-    def decode(self, ids: list[int]) -> str:
-        """``ids -> text``, skipping pad and EOS."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``ids -> text``; pad and EOS are always skipped (the argument mirrors Hugging Face's)."""
         return "".join(self.characters[i - 2] for i in ids if i >= 2)
 
 
@@ -90,7 +95,7 @@ def synthetic_problem(task: str, seed: int, index: int, copy_lengths: tuple[int,
     Args:
         task: one of ``SYNTHETIC_TASKS``.
         seed: run seed; ``index``: position in the infinite problem stream.
-        copy_lengths: inclusive ``(min, max)`` digit count for ``copy``.
+        copy_lengths: inclusive ``(min, max)`` digit count for ``copy``; ``max`` is the field width.
     """
     rng = random.Random(f"{task}:{seed}:{index}")  # str seeds hash with sha512: stable across runs
     if task == "add":

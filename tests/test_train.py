@@ -1,0 +1,289 @@
+"""train.py end to end on CPU: one process and torchrun with 2 gloo ranks, resume, every estimator, bad inputs.
+
+Runs are tiny (2-4 steps, 16-64 responses of at most 8 tokens). Most runs call ``train.main`` in this
+process (a process group of one) to skip the ~6 s interpreter + transformers start-up; the command-line
+behaviour (exit codes, one-line errors, the progress bar, torchrun) is tested in subprocesses.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import parallel  # noqa: E402
+import train  # noqa: E402
+from otb_ref import ESTIMATORS  # noqa: E402
+
+TINY = ["--prompts-per-step", "4", "--group-size", "4"]
+# Seed 3 with 8 x 8 responses gives rewards in several groups at steps 1-2, so the
+# gradients are not trivially zero (an untrained policy scores ~2% on the copy task).
+SMALL = ["--prompts-per-step", "8", "--group-size", "8", "--seed", "3"]
+REQUIRED_KEYS = {
+    "step", "tokens", "reward_mean", "reward_std", "response_length_mean", "response_length_max", "loss", "grad_norm", "lr",
+    "variance_proxy/proxy1_signal_strength", "variance_proxy/proxy2_total_power", "variance_proxy/proxy3_pure_noise",
+    "time/rollout", "time/logprobs", "time/advantages", "time/update", "time/step",
+    "throughput/generation_tokens_per_s", "throughput/update_tokens_per_s",
+}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(record: dict) -> dict:
+    """A metrics record without wall-clock fields."""
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def run_subprocess(args: list[str], torchrun: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([*launcher, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def load_params(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Model parameters of a DCP checkpoint, via DCP's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / (checkpoint.parent.parent.name + checkpoint.name + ".pt")
+    dcp_to_torch_save(str(checkpoint), str(target))
+    return torch.load(target, weights_only=False)["model"]
+
+
+def debug_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
+    """The dumped per-rank tensors of one step, reassembled in global row order."""
+    parts = [torch.load(dump / f"step{step}_rank{rank}.pt") for rank in range(world)]
+    order = torch.cat([p["rows"] for p in parts]).argsort()
+    return {key: torch.cat([p[key] for p in parts])[order] for key in ("advantages", "rewards", "response_ids")}
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_python_train_py_runs_and_writes_metrics_and_a_checkpoint(tmp_path):
+    """`python train.py` (no torchrun) for 2 steps: progress bar, metrics.jsonl, complete checkpoints, pruning."""
+    out = run_subprocess([*TINY, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "1", "--output-dir", str(tmp_path / "run")])
+    assert out.returncode == 0, out.stderr
+    assert "train: 100%" in out.stderr  # the progress bar
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert REQUIRED_KEYS <= set(record)
+        assert record["response_length_max"] <= 8 and 1 <= record["response_length_mean"] <= 8
+    assert records[1]["tokens"] == records[0]["tokens"] + round(records[1]["response_length_mean"] * 16)
+    assert parallel.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]  # step 1 pruned
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["estimator"] == "otb"
+
+
+def test_torchrun_two_ranks_equals_one_rank(tmp_path):
+    """torchrun --nproc_per_node=2 (gloo) vs one process, same seed and global batch.
+
+    The responses must be identical: sampling uses per-row uniforms of the global batch. Advantages,
+    the loss, the gradient norm and the parameters after steps 1 and 2 agree up to float32 rounding:
+    the two runs split the batch differently (8-row micro-batches on 2 ranks vs one 64-row
+    micro-batch; 1 vs 2 threads), which changes summation order (~1e-7 relative). Tolerances:
+    advantages 1e-5 absolute (they are O(0.3)); gradient norm 1e-5 relative; loss 1e-4 relative (a
+    sum of terms of both signs); parameters 1e-2 x the step-1 learning rate (Adam moves each
+    parameter by about lr x sign(g), so rounding-level differences in g move it by << lr).
+    Adam's first step is scale-invariant, so a gradient-averaging bug (a factor of the world size)
+    would not show in the parameters; it shows in the gradient norm and the loss, which are checked.
+    """
+    common = [*SMALL, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0"]
+    two = run_subprocess([*common, "--micro-batch-size", "8", "--output-dir", str(tmp_path / "two"), "--debug-dump", str(tmp_path / "dump2")], torchrun=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    train.main([*common, "--micro-batch-size", "64", "--output-dir", str(tmp_path / "one"), "--debug-dump", str(tmp_path / "dump1")])
+    one_records, two_records = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for step in (1, 2):
+        one, two_ = debug_rows(tmp_path / "dump1", step, 1), debug_rows(tmp_path / "dump2", step, 2)
+        assert torch.equal(one["response_ids"], two_["response_ids"])
+        assert torch.allclose(one["rewards"], two_["rewards"], rtol=0, atol=1e-7)
+        assert torch.allclose(one["advantages"], two_["advantages"], rtol=0, atol=1e-5)
+        a, b = one_records[step - 1], two_records[step - 1]
+        assert a["tokens"] == b["tokens"] and a["response_length_max"] == b["response_length_max"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-10)
+        p1 = load_params(tmp_path / "one" / "checkpoints" / f"step_{step:08d}", tmp_path)
+        p2 = load_params(tmp_path / "two" / "checkpoints" / f"step_{step:08d}", tmp_path)
+        assert p1.keys() == p2.keys()
+        worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+        assert worst <= 1e-2 * one_records[0]["lr"], worst
+    assert one_records[0]["grad_norm"] > 1e-3 and debug_rows(tmp_path / "dump1", 1, 1)["advantages"].abs().max() > 0.05  # not a trivial comparison
+    p0 = load_params(tmp_path / "one" / "checkpoints" / "step_00000001", tmp_path)
+    assert any(float((p0[k] - p1[k]).abs().max()) > 0 for k in p0)  # step 2 moved the parameters
+
+
+def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": 4\n')
+    wrong_keys = tmp_path / "keys.jsonl"
+    wrong_keys.write_text('{"question": "1+1?", "answer": "2"}\n')
+    (tmp_path / "empty_dir").mkdir()
+    return {
+        "missing model": (["--model", str(tmp_path / "nope")], "--model"),
+        "not a checkpoint": (["--model", str(tmp_path / "empty_dir")], "config.json"),
+        "malformed json": (["--data", str(bad_json)], f"{bad_json}:2: malformed JSON"),
+        "wrong keys": (["--data", str(wrong_keys)], f"{wrong_keys}:1:"),
+        "missing data": (["--data", str(tmp_path / "none.jsonl")], "--data"),
+        "group size": (["--group-size", "0"], "--group-size must be >= 1"),
+        "not an int": (["--steps", "many"], "--steps"),
+        "unknown estimator": (["--estimator", "ppo"], "--estimator"),
+        "top-p": (["--top-p", "0"], "--top-p"),
+        "unknown flag": (["--group_size", "4"], "--group_size"),
+        "resume without dir": (["--resume"], "--output-dir"),
+    }
+
+
+def test_bad_inputs_exit_nonzero_with_one_line_and_no_traceback(tmp_path):
+    cases = _bad_input_cases(tmp_path)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    running = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, (args, _) in cases.items()}
+    for name, process in running.items():
+        stdout, stderr = process.communicate(timeout=120)
+        lines = stderr.strip().splitlines()
+        assert process.returncode == 2, (name, stderr)
+        assert len(lines) == 1 and "Traceback" not in stderr, (name, stderr)
+        assert lines[0].startswith("train.py: error: ") and cases[name][1] in lines[0], (name, lines[0])
+
+
+def test_existing_run_directory_needs_resume(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(train.UserError, match="--resume"):
+        train.main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")])
+
+
+# --------------------------------------------------------------------------- in-process runs
+
+
+def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, capsys):
+    """4 steps straight vs 2 steps, 'preempted', then --resume: steps 3-4 are bitwise equal.
+
+    Before resuming, a newer checkpoint without its COMPLETE marker, a leftover .tmp directory and a
+    metrics line logged after the checkpoint are planted: the resume must ignore the first two,
+    drop the line, and continue from step 2.
+    """
+    common = [*SMALL, "--steps", "4"]
+    train.main([*common, "--output-dir", str(tmp_path / "straight")])
+    train.main([*common, "--output-dir", str(tmp_path / "resumed"), "--debug-stop-after", "2"])
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2]
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    (checkpoints / "step_00000003").mkdir()
+    (checkpoints / "step_00000003" / ".metadata").write_text("torn write")
+    (checkpoints / "step_00000004.tmp").mkdir()
+    assert parallel.latest_checkpoint(tmp_path / "resumed") == checkpoints / "step_00000002"
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as file:
+        file.write(json.dumps({"step": 3, "tokens": -1}) + "\n")
+    with pytest.raises(RuntimeError, match="incomplete"):
+        parallel.load_checkpoint(checkpoints / "step_00000003", None, None, {}, None)
+    capsys.readouterr()
+    train.main([*common, "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    assert "resumed from step_00000002" in capsys.readouterr().err
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
+    assert straight[3]["grad_norm"] > 0
+
+
+def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path, capsys):
+    train.main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "fresh"), "--resume"])
+    assert "no complete checkpoint found" in capsys.readouterr().err
+    assert [r["step"] for r in metrics(tmp_path / "fresh")] == [1]
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_every_estimator_runs_a_step(tmp_path, estimator):
+    extra = ["--leave-one-out"] if estimator in ("otb", "grpo") else []
+    train.main([*TINY, "--steps", "1", "--estimator", estimator, *extra, "--output-dir", str(tmp_path / estimator)])
+    (record,) = metrics(tmp_path / estimator)
+    assert record["skipped"] == 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+
+
+def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):
+    train.main([*SMALL, "--steps", "3", "--debug-nan-step", "2", "--save-every", "1", "--keep-checkpoints", "0",
+                "--output-dir", str(tmp_path / "nan")])
+    records = metrics(tmp_path / "nan")
+    assert [r["skipped"] for r in records] == [0, 1, 0] and records[2]["skipped_total"] == 1
+    assert records[1]["loss"] is None and records[1]["grad_norm"] is None  # NaN is logged as null
+    assert math.isfinite(records[2]["grad_norm"]) and records[2]["grad_norm"] > 0
+    assert "step 2: non-finite loss" in capsys.readouterr().err
+    before = load_params(tmp_path / "nan" / "checkpoints" / "step_00000001", tmp_path)
+    after = load_params(tmp_path / "nan" / "checkpoints" / "step_00000002", tmp_path)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the skipped step left the parameters alone
+
+
+def _tiny_hf_checkpoint(directory: Path) -> Path:
+    """A 2-layer Qwen2 with tied embeddings and a character-level tokenizer with a chat template, saved locally."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<user>", "<assistant>", *"0123456789+=?\\{} abcdefghijklmnopqrstuvwxyz"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ["<pad>", "<eos>", "<user>", "<assistant>"]])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="?")
+    tokenizer.chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tokenizer.save_pretrained(directory)
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
+    """--model (a tiny local checkpoint) and --data (JSONL, prompts of different lengths: left padding),
+    with exact sequence norms, a KL loss, two mini-batches and activation checkpointing."""
+    model = _tiny_hf_checkpoint(tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is {a}+{a * 7}?", "answer": 8 * a}) + "\n" for a in range(12)))
+    train.main(["--model", str(model), "--data", str(data), "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
+                "--max-new-tokens", "6", "--estimator", "eob", "--kl-coef", "0.05", "--mini-batches", "2", "--activation-checkpointing",
+                "--output-dir", str(tmp_path / "run")])
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and all("kl_ref" in r for r in records)
+    assert records[1]["tokens"] > records[0]["tokens"] > 0
+
+
+def test_exact_energies_match_unpadded_rows():
+    """train.exact_energies on left-padded rows equals otb_ref.exact on each row without its padding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
+
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)).eval()
+    sequences = torch.tensor([[0, 0, 5, 6, 7, 3, 1], [4, 5, 6, 7, 8, 9, 0]])  # prompt 5 columns (row 0 left-padded by 2), response 2
+    attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    mask = attention[:, 5:].clone()  # row 1's response is one token (then padding)
+    seq = train.exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
+    cum = train.exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
+    for row, real in ((0, slice(2, 7)), (1, slice(0, 6))):
+        ids = sequences[row : row + 1, real]
+        response = torch.cat([torch.zeros(1, 5 - real.start, dtype=torch.long), mask[row : row + 1].long()], dim=1)[:, : ids.shape[1]]
+        assert float(seq[row]) == pytest.approx(float(sequence_grad_norms_sq(lm, ids, response)[0]), rel=1e-5)
+        expected = prefix_grad_norms_sq(lm, ids, response)[0, 5 - real.start :]
+        assert torch.allclose(cum[row, : expected.shape[0]].double(), expected, rtol=1e-5)
+
+
+def test_plot_writes_a_png(tmp_path):
+    import plot
+
+    for name, rewards in (("a", [0.1, 0.5]), ("b", [0.2, 0.3])):
+        run = tmp_path / name
+        run.mkdir()
+        run.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "tokens": 100 * (i + 1), "reward_mean": r, "grad_norm": None if i else 0.5}) + "\n" for i, r in enumerate(rewards)))
+    plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
