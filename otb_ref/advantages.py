@@ -226,7 +226,7 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
             "sum_pi_squared", inputs.sum_pi_squared, rows, mask, dtype,
             low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]",
         )
-        energy = torch.add(sum_sq, log_probs.exp(), alpha=-2.0).add_(1.0).clamp_(0.0, 2.0)  # 1 − 2π + Σπ² (F6)
+        energy = token_energy(log_probs, sum_sq)  # 1 − 2π + Σπ² (F6)
         clean = clean_lp and clean_sq
     if energy is not None and inputs.rollout_is_weights is not None:
         # ρ̄² times an energy <= 2, summed over every token of the batch, must stay finite in dtype.

@@ -70,8 +70,9 @@ def variance_proxy_metrics(
         _checks.require_shape(name, value, shape, "advantages")
         _checks.require_device(name, value, advantages.device, "advantages")
     valid = _checks.binary_mask("response_mask", response_mask)
-    for name in ("advantages", "old_log_probs", "sum_pi_squared") + (("rollout_is_weights",) if rollout_is_weights is not None else ()):
-        _checks.require_finite(name, {"advantages": advantages, **named}[name], where=valid)
+    for name, value in {"advantages": advantages, **named}.items():
+        if name != "response_mask":
+            _checks.require_finite(name, value, where=valid)
     if rollout_is_weights is not None:
         _checks.require_in_range("rollout_is_weights", rollout_is_weights, 0.0, float("inf"), where=valid, rule="must be >= 0")
     if grad_norm is not None:

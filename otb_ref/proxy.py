@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from otb_ref._checks import positive_scalar, require_device, require_tensor
+from otb_ref._checks import compute_dtype, positive_scalar, require_device, require_tensor
 
 __all__ = ["sum_pi_squared", "token_energy", "logprobs_and_sum_pi_squared"]
 
@@ -103,9 +103,9 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
             f"sum_pi_squared: shape {tuple(sum_pi_squared.shape)} does not match "
             f"log_probs {tuple(log_probs.shape)}"
         )
-    dtype = torch.float64 if torch.float64 in (log_probs.dtype, sum_pi_squared.dtype) else torch.float32
+    dtype = compute_dtype(log_probs, sum_pi_squared)
     pi_y = torch.exp(log_probs.detach().to(dtype))
-    return (1.0 - 2.0 * pi_y + sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)
+    return torch.add(sum_pi_squared.detach().to(dtype), pi_y, alpha=-2.0).add_(1.0).clamp_(0.0, 2.0)
 
 
 def _default_chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:
@@ -232,7 +232,6 @@ def logprobs_and_sum_pi_squared(
         chunk_size = _default_chunk_size(flat_hidden.shape[0], vocab, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    chunk_size = max(1, chunk_size)
     log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
     _raise_if_nan("hidden, weight", sum_sq)
     return log_probs.reshape(targets.shape), sum_sq.reshape(targets.shape)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import jacrev, vmap
 
+from otb_ref.proxy import token_energy
+
 __all__ = ["TreePolicy", "SharedPolicy", "Enumeration", "enumerate_policy", "enumerate_responses"]
 
 EOS = 0
@@ -199,7 +201,7 @@ def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None
         log_probs = log_softmax.gather(-1, tokens[..., None]).squeeze(-1) * mask  # [M, L]
         probs = torch.exp(log_probs.sum(-1))  # [M]
         sum_sq = torch.where(mask > 0, log_softmax.exp().square().sum(-1), 1.0)  # [M, L]
-        energy = (1.0 - 2.0 * torch.exp(log_probs) + sum_sq).clamp(0.0, 2.0) * mask
+        energy = token_energy(log_probs, sum_sq) * mask
 
     num_rows, length = tokens.shape
     num_params = theta.numel()
