@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import parallel
-from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, variance_proxy_metrics
+from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, row_grad_norms_sq, variance_proxy_metrics
 from otb_ref.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl_penalty
 from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_ref.tasks import SYNTHETIC_TASKS, CharTokenizer, Problem, math_reward, synthetic_problem, synthetic_reward
@@ -173,13 +173,16 @@ class Policy(nn.Module):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
 
-    def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None):
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, full_logits=False):
         out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=cache, use_cache=targets is None)
         weight = self.lm.get_output_embeddings().weight  # [V, d]
         if targets is None:
             return (out.last_hidden_state[:, -1] @ weight.T).float(), out.past_key_values
         hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
+        if full_logits:  # through the LM-head module, whose call otb_ref.row_grad_norms_sq records: [B, T, V] logits
+            z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
+            return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1), None
         log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(hidden, weight, targets, temperature=self.temperature, chunk_size=self.chunk_size)
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
@@ -253,6 +256,16 @@ def exact_energies(estimator: str, lm: nn.Module, sequences, attention, mask, te
     return {"cumulative_energy": torch.zeros_like(rotated).scatter_(1, index, rotated)[:, num_prompt:].float()}
 
 
+def sequence_norms(policy: nn.Module, sequences, attention, positions, response_ids, mask) -> torch.Tensor:
+    """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` [B] for the rows given, in one forward + backward of the
+    (possibly sharded) policy: otb_ref.row_grad_norms_sq on the policy's own forward and positions."""
+    def log_likelihood():  # [B]
+        log_probs, _ = policy(sequences, attention, positions, targets=response_ids, full_logits=True)
+        return (log_probs * mask).sum(dim=1)
+
+    return row_grad_norms_sq(policy, log_likelihood)
+
+
 def local_prompt_positions(cfg: Config, env: parallel.Dist) -> list[int]:
     """This rank's prompts within the step, ordered by mini-batch: mini-batch k holds the same
     global prompts for any world size (rank r takes the r-th slice of each)."""
@@ -284,7 +297,9 @@ def train(cfg: Config, data: list[Problem] | None, env: parallel.Dist) -> None:
     lm.eval()  # no dropout in RL: generation, old log-probs and the loss see the same function
     on_gpu = env.device.type == "cuda"
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and on_gpu)
-    exact_lm = copy.deepcopy(lm).to(env.device) if ESTIMATORS[cfg.estimator].energy == "exact" else None  # for exact norms
+    # "otb_exact" needs ||S_t||^2 at every token: otb_ref.exact on a full copy (small models only). "eob" needs
+    # ||S||^2 per response: one forward + backward of the sharded policy itself (otb_ref.row_grad_norms_sq).
+    exact_lm = copy.deepcopy(lm).to(env.device) if cfg.estimator == "otb_exact" else None
     ref_lm = copy.deepcopy(lm).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen initial policy
     chunk = cfg.logprob_chunk_size or None
 
@@ -369,6 +384,9 @@ def train(cfg: Config, data: list[Problem] | None, env: parallel.Dist) -> None:
                     ref_log_probs[rows] = reference(*args, targets=response_ids[rows])[0]
         t2 = sync()
         energies = {}
+        if cfg.estimator == "eob":  # ||S||^2 of every response, micro-batch by micro-batch; no .grad is touched
+            energies["grad_norms_sq"] = torch.cat([sequence_norms(policy, sequences[r], attention[r], positions[r],
+                                                                  response_ids[r], mask[r]) for r in micro])
         if exact_lm is not None:  # the full parameters every step (one all-gather of the whole model: small models only)
             exact_lm.load_state_dict({k.removeprefix("lm."): v for k, v in parallel.full_model_state_dict(policy).items()})
             energies = exact_energies(cfg.estimator, exact_lm, sequences, attention, mask, cfg.temperature)

@@ -6,6 +6,8 @@ The specification is THEORY.md (facts F1–F7). Pure functions on tensors:
 * :mod:`otb_ref.advantages` — the estimator family (§3, F7) and the
   verl-compatible OTB functions (§4).
 * :mod:`otb_ref.diagnostics` — forward-only variance metrics (§5).
+* :mod:`otb_ref.grad_norms` — every response's exact ``||S||²`` (the EOB's energy, F3) in one
+  forward + backward.
 """
 
 from otb_ref.advantages import (
@@ -16,6 +18,7 @@ from otb_ref.advantages import (
     compute_optimal_token_baseline_advantage,
 )
 from otb_ref.diagnostics import variance_proxy_metrics
+from otb_ref.grad_norms import row_grad_norms_sq, sequence_grad_norms_sq
 from otb_ref.proxy import logprobs_and_sum_pi_squared, sum_pi_squared, token_energy
 
 __all__ = [
@@ -25,6 +28,8 @@ __all__ = [
     "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_optimal_token_baseline_advantage",
     "logprobs_and_sum_pi_squared",
+    "row_grad_norms_sq",
+    "sequence_grad_norms_sq",
     "sum_pi_squared",
     "token_energy",
     "variance_proxy_metrics",

@@ -1,0 +1,71 @@
+"""torchrun worker for tests/test_grad_norms.py: per-row norms on an FSDP2-sharded policy equal the unsharded ones.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_grad_norms_worker.py OUT.json
+
+Each rank computes ``train.sequence_norms`` on its own rows of one batch, with and without activation
+checkpointing, tied and untied embeddings; rank 0 writes the gathered norms, the unsharded reference and
+whether any parameter's ``.grad`` was set.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import parallel  # noqa: E402
+import train  # noqa: E402
+
+
+def batch(vocab: int):
+    gen = torch.Generator().manual_seed(0)
+    rows, prompt, response = 8, 5, 6
+    ids = torch.randint(2, vocab, (rows, prompt + response), generator=gen)
+    attention = torch.ones(rows, prompt + response, dtype=torch.bool)
+    attention[::2, :2] = False  # left padding on every other row
+    mask = torch.ones(rows, response, dtype=torch.bool)
+    mask[1::3, 4:] = False  # shorter responses
+    attention[:, prompt:] = mask
+    return ids, attention, train.position_ids_from_mask(attention), ids[:, prompt:], mask.double()
+
+
+def main() -> None:
+    env = parallel.init("cpu")
+    results = {}
+    for tied in (False, True):
+        for checkpointing in (False, True):
+            cfg = train.Config(hidden_size=32, num_layers=2)
+            lm, _, _, _ = train.build_model_and_tokenizer(cfg)
+            if tied:
+                lm.lm_head.weight = lm.model.embed_tokens.weight
+                lm.config.tie_word_embeddings = True
+            lm = lm.double().eval()
+            ids, attention, positions, response, mask = batch(lm.config.vocab_size)
+            reference = train.sequence_norms(train.Policy(copy.deepcopy(lm), 1.0, None), ids, attention, positions,
+                                             response, mask)
+            layers = [m for m in lm.modules() if type(m).__name__ in lm._no_split_modules]
+            policy = parallel.shard(train.Policy(lm, 1.0, None), layers, env, bf16=False,
+                                    activation_checkpointing=checkpointing)
+            rows = slice(env.rank * 4, env.rank * 4 + 4)
+            mine = train.sequence_norms(policy, ids[rows], attention[rows], positions[rows], response[rows], mask[rows])
+            gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
+            dist.all_gather(gathered, mine)
+            grads_set = any(p.grad is not None for p in policy.parameters())
+            # an ordinary backward still works afterwards
+            log_probs, _ = policy(ids[rows], attention[rows], positions[rows], targets=response[rows])
+            (log_probs * mask[rows]).sum().backward()
+            results[f"tied={tied},checkpointing={checkpointing}"] = {
+                "sharded": torch.cat(gathered).tolist(), "reference": reference.tolist(), "grads_set": grads_set,
+                "backward_after": all(p.grad is not None for p in policy.parameters()),
+            }
+    if env.is_main:
+        Path(sys.argv[1]).write_text(json.dumps(results))
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()
