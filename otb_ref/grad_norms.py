@@ -132,7 +132,9 @@ class _Call:
     output: torch.Tensor
     params: dict[str, torch.Tensor]  # norm layers: parameter values at forward time
     input_needs_grad: bool  # False: a source of the backward (e.g. the token embedding)
-    grad: torch.Tensor | None = None  # output gradient g, set in backward (kept only when shared)
+    arrived: bool = False  # the output gradient g has been seen
+    grad: torch.Tensor | None = None  # g, kept when a parameter is shared (for the cross terms)
+    grad_at_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # tied LM head: c_t[x_s] per embedding call
 
 
 @dataclass
@@ -216,14 +218,23 @@ class _Tape:
     def _add(self, call: _Call, g: torch.Tensor) -> None:
         for norm_sq in _own_norms_sq(call, g).values():
             self.total += norm_sq
-        if any(id(p) in self.shared for p in _trainable(call.module).values()):
-            call.grad = g  # kept for the cross terms of shared parameters
+        call.arrived = True
+        partners = [c for p in _trainable(call.module).values() if id(p) in self.shared
+                    for c, _ in self.shared[id(p)].calls if c is not call]
+        if call.kind == "linear" and partners and all(c.kind == "embedding" for c in partners):
+            # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
+            c = _rows3(g)
+            for embedding in partners:
+                ids = embedding.inputs.reshape(c.shape[0], -1).long()  # [B, S]
+                call.grad_at_ids[id(embedding)] = c.gather(2, ids[:, None, :].expand(-1, c.shape[1], -1))
+        elif partners:
+            call.grad = g
 
     def finish(self) -> torch.Tensor:
         for shared in self.shared.values():
             pairs = [(a, b) for k, a in enumerate(shared.calls) for b in shared.calls[k + 1 :]]
             for (call_a, name_a), (call_b, name_b) in pairs:
-                if call_a.grad is not None and call_b.grad is not None:
+                if call_a.arrived and call_b.arrived:
                     self.total += 2 * _cross(call_a, name_a, call_b, name_b)
         self.calls.clear()
         return self.total
@@ -287,12 +298,12 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
         if "weight" in own:
             out["weight"] = linear_weight_norms_sq(a, g)
         if "bias" in own:
-            out["bias"] = g.to(_accumulate_dtype(g)).sum(dim=1).square().sum(dim=1).double()
+            out["bias"] = _squared_norms(g.sum(dim=1, dtype=_accumulate_dtype(g)))
         return out
     if call.kind == "embedding":
         return {"weight": embedding_norms_sq(call.inputs, g, call.module.num_embeddings)}
     grads = _norm_layer_row_grads(call, g)  # {name: [B, *shape]}
-    return {n: gr.flatten(1).to(torch.float64).square().sum(dim=1) for n, gr in grads.items()}
+    return {n: _squared_norms(gr) for n, gr in grads.items()}
 
 
 def _accumulate_dtype(t: torch.Tensor) -> torch.dtype:
@@ -308,6 +319,11 @@ def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError):
             pass
     return torch.bmm(x.to(dtype), y.to(dtype))
+
+
+def _squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """``Σ x²`` over all but the first dim, accumulated in float64 without a float64 copy of ``x``. [B] float64."""
+    return torch.linalg.vector_norm(x.flatten(1), dim=1, dtype=torch.float64).square()
 
 
 def _row_blocks(rows: int, per_row: int):
@@ -337,7 +353,7 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None 
             gg = _bmm(g[r], g[r].transpose(1, 2))  # [b, T, T]
             out[r] = (aa * gg).sum(dim=(1, 2), dtype=torch.float64)
         else:  # ||G_i||², G_i = g_iᵀ a_i
-            out[r] = _bmm(g[r].transpose(1, 2), a[r]).square().sum(dim=(1, 2), dtype=torch.float64)
+            out[r] = _squared_norms(_bmm(g[r].transpose(1, 2), a[r]))
     return out
 
 
@@ -351,7 +367,7 @@ def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.
     summed = torch.zeros(keys.shape[0], g.shape[-1], dtype=_accumulate_dtype(g), device=g.device)  # [U, d]
     summed.index_add_(0, where, g.reshape(-1, g.shape[-1]).to(summed.dtype))
     out = torch.zeros(rows, dtype=torch.float64, device=g.device)
-    return out.index_add_(0, keys // vocab, summed.square().sum(dim=1).double())
+    return out.index_add_(0, keys // vocab, _squared_norms(summed))
 
 
 def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -379,10 +395,8 @@ def _cross(call_a: _Call, name_a: str, call_b: _Call, name_b: str) -> torch.Tens
         return (_bmm(a, a2.transpose(1, 2)) * _bmm(g, g2.transpose(1, 2))).sum(dim=(1, 2), dtype=torch.float64)
     if kinds == {"linear", "embedding"}:  # Σ_{s,t} c_t[x_s] (g_s · h_t)
         linear, embedding = (call_a, call_b) if call_a.kind == "linear" else (call_b, call_a)
-        h, c = _rows3(linear.inputs), _rows3(linear.grad)  # [B, T, d], [B, T, V]
-        ids = embedding.inputs.reshape(h.shape[0], -1).long()  # [B, S]
-        g = _rows3(embedding.grad)  # [B, S, d]
-        c_at_ids = c.gather(2, ids[:, None, :].expand(-1, c.shape[1], -1))  # [B, T, S]
+        h, g = _rows3(linear.inputs), _rows3(embedding.grad)  # [B, T, d], [B, S, d]
+        c_at_ids = linear.grad_at_ids[id(embedding)]  # [B, T, S]: c_t[x_s]
         return (_bmm(h, g.transpose(1, 2)).to(torch.float64) * c_at_ids.to(torch.float64)).sum(dim=(1, 2))
     if kinds == {"embedding"}:  # Σ_v ⟨Σ_{x_s = v} g_s, Σ_{x'_t = v} g'_t⟩
         ids_a, ids_b = call_a.inputs.reshape(call_a.grad.shape[0], -1), call_b.inputs.reshape(call_b.grad.shape[0], -1)

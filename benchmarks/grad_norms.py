@@ -1,0 +1,170 @@
+"""Per-response exact ||S||² in one pass vs an ordinary forward + backward vs a loop over rows; JSON lines.
+
+    python benchmarks/grad_norms.py             # CPU: the built-in tiny model and a wider one (~1 min on 2 cores)
+    python benchmarks/grad_norms.py --quick     # seconds (the test suite runs this)
+    python benchmarks/grad_norms.py --gpu       # one GPU: a Qwen2.5-0.5B-shaped config in bf16 (random init)
+
+Each case runs, on the same model and batch [B, T] (prompt T/4, response 3T/4):
+  ordinary   ``Σ_i Σ_t m_it log π(y_it)`` forward + ``.backward()`` into the parameters' ``.grad``;
+  one_pass   ``otb_ref.row_grad_norms_sq`` of the same objective (every row's ||S_i||², no ``.grad``);
+  loop       one forward + backward per row, ||grad||² summed over parameters (the naive EOB). When B is
+             larger than --loop-rows, the first --loop-rows rows are timed and the total is scaled by
+             B / rows: the record says ``loop_rows_timed``.
+Reported: median seconds over --repeats (after one warm-up), the ratios one_pass / ordinary and
+loop / one_pass, peak memory beyond the model (CUDA only: ``max_memory_allocated`` after a reset, minus
+what was allocated before), and the largest relative difference between one_pass and loop norms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from otb_ref import row_grad_norms_sq  # noqa: E402
+
+CPU_CASES = [dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
+             dict(width=256, layers=4, heads=4, kv=2, ffn=1024, vocab=4096, tied=True, shape=(16, 256))]
+QUICK_CASES = [dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16))]
+# Qwen2.5-0.5B's shape: 24 layers, width 896, 14 heads of 64, 2 KV heads, MLP 4864, vocabulary 151936, tied.
+GPU_MODEL = dict(width=896, layers=24, heads=14, kv=2, ffn=4864, vocab=151936, tied=True)
+GPU_SHAPES = [(16, 512), (32, 512), (8, 2048)]
+
+
+def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=case["vocab"], hidden_size=case["width"], intermediate_size=case["ffn"],
+                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
+                         num_key_value_heads=case["kv"], tie_word_embeddings=case["tied"],
+                         max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints only in training mode (no dropout in this config)
+    return model
+
+
+def batch(rows: int, length: int, vocab: int, device: torch.device):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (rows, length), generator=gen)
+    mask = torch.zeros(rows, length)
+    mask[:, length // 4 :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def log_likelihood(model, ids, mask) -> torch.Tensor:
+    logits = model(ids, use_cache=False).logits  # [B, T, V]
+    z = logits[:, :-1].float()
+    log_probs = z.gather(-1, ids[:, 1:, None]).squeeze(-1) - z.logsumexp(dim=-1)
+    return (log_probs * mask[:, 1:]).sum(dim=1)  # [B]
+
+
+def ordinary(model, ids, mask):
+    log_likelihood(model, ids, mask).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def one_pass(model, ids, mask) -> torch.Tensor:
+    return row_grad_norms_sq(model, lambda: log_likelihood(model, ids, mask))
+
+
+def loop(model, ids, mask, rows: int) -> torch.Tensor:
+    out = []
+    for i in range(rows):
+        log_likelihood(model, ids[i : i + 1], mask[i : i + 1]).sum().backward()
+        out.append(sum(p.grad.float().square().sum() for p in model.parameters() if p.grad is not None))
+        model.zero_grad(set_to_none=True)
+    return torch.stack(out)
+
+
+def measure(fn, device: torch.device, repeats: int) -> tuple[float, float | None, object]:
+    """(median seconds, peak bytes beyond what was allocated before or None, last result)."""
+    result = fn()  # warm-up
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+    return statistics.median(times), peak, result
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False) -> dict:
+    model = build(case, device, dtype, checkpointing)
+    rows, length = shape
+    ids, mask = batch(rows, length, case["vocab"], device)
+    record = dict(section="grad_norms", machine=machine(device), torch=torch.__version__, dtype=str(dtype)[6:],
+                  params=sum(p.numel() for p in model.parameters()), B=rows, T=length, activation_checkpointing=checkpointing,
+                  **{k: v for k, v in case.items() if k != "shape"})
+    t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)
+    t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)
+    timed = min(rows, args.loop_rows)
+    t_loop, m_loop, loop_norms = measure(lambda: loop(model, ids, mask, timed), device, 1)
+    rel = ((norms[:timed].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
+    record.update(ordinary_s=t_ord, one_pass_s=t_one, loop_s=t_loop * rows / timed, loop_rows_timed=timed,
+                  one_pass_over_ordinary=t_one / t_ord, loop_over_one_pass=t_loop * rows / timed / t_one,
+                  max_rel_diff_one_pass_vs_loop=float(rel))
+    if m_ord is not None:
+        record.update(ordinary_peak_gib=m_ord / 2**30, one_pass_peak_gib=m_one / 2**30, loop_peak_gib=m_loop / 2**30)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    import os
+
+    return f"cpu x{torch.get_num_threads()} threads ({os.cpu_count()} cores visible)"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
+    parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, a 0.5B Qwen2-shaped model in bf16")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default: 3)")
+    parser.add_argument("--loop-rows", type=int, default=16, help="rows the loop times at most (default: 16)")
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA device is available")
+    if args.gpu:
+        device = torch.device("cuda")
+        cases = [(dict(GPU_MODEL, shape=s), False) for s in (GPU_SHAPES[:1] if args.quick else GPU_SHAPES)]
+        cases.append((dict(GPU_MODEL, shape=GPU_SHAPES[0]), True))
+        dtype = torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        cases = [(c, False) for c in (QUICK_CASES if args.quick else CPU_CASES)]
+    for case, checkpointing in cases:
+        try:
+            print(json.dumps(run_case(case, case["shape"], device, dtype, args, checkpointing)), flush=True)
+        except Exception as error:  # noqa: BLE001 - one failed case must not hide the others
+            print(json.dumps(dict(section="grad_norms", shape=case["shape"], error=f"{type(error).__name__}: {error}")),
+                  flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
