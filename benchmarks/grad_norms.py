@@ -114,7 +114,7 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     ids, mask = batch(rows, length, case["vocab"], device)
     record = dict(section="grad_norms", machine=machine(device), torch=torch.__version__, dtype=str(dtype)[6:],
                   params=sum(p.numel() for p in model.parameters()), B=rows, T=length, activation_checkpointing=checkpointing,
-                  **{k: v for k, v in case.items() if k != "shape"})
+                  **{k: v for k, v in case.items() if k not in ("shape", "dtype")})
     t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)
     t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)
     timed = min(rows, args.loop_rows)
@@ -131,6 +131,35 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     return record
 
 
+def profile_case(case: dict, device: torch.device, dtype: torch.dtype, rows: int = 20) -> dict:
+    """Top operators by device time for one ordinary pass and one one_pass (after a warm-up each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(case, device, dtype)
+    ids, mask = batch(*case["shape"], case["vocab"], device)
+    x = torch.randn(2, 8, 8, device=device, dtype=dtype)
+    try:
+        torch.bmm(x, x, out_dtype=torch.float32)
+        bmm_out_dtype = "ok"
+    except Exception as error:  # noqa: BLE001
+        bmm_out_dtype = f"{type(error).__name__}: {str(error)[:200]}"
+    record = dict(section="grad_norms_profile", machine=machine(device), B=case["shape"][0], T=case["shape"][1],
+                  bmm_out_dtype=bmm_out_dtype)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, fn in (("ordinary", lambda: ordinary(model, ids, mask)), ("one_pass", lambda: one_pass(model, ids, mask))):
+        fn()
+        sync(device)
+        with profile(activities=activities) as prof:
+            fn()
+            sync(device)
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+        record[name] = [dict(op=e.key[:80], calls=e.count, device_ms=getattr(e, key) / 1e3,
+                             cpu_ms=e.self_cpu_time_total / 1e3) for e in events]
+        record[name + "_total_device_ms"] = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
+    return record
+
+
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name()
@@ -144,6 +173,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, a 0.5B Qwen2-shaped model in bf16")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default: 3)")
+    parser.add_argument("--profile", action="store_true", help="only: top operators of the first case's two passes")
     parser.add_argument("--loop-rows", type=int, default=16, help="rows the loop times at most (default: 16)")
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
@@ -152,13 +182,18 @@ def main(argv=None) -> None:
         device = torch.device("cuda")
         cases = [(dict(GPU_MODEL, shape=s), False) for s in (GPU_SHAPES[:1] if args.quick else GPU_SHAPES)]
         cases.append((dict(GPU_MODEL, shape=GPU_SHAPES[0]), True))
+        cases.append((dict(GPU_MODEL, shape=(4, 256), dtype=torch.float32), False))  # exactness vs the loop in fp32
         dtype = torch.bfloat16
     else:
         device, dtype = torch.device("cpu"), torch.float32
         cases = [(c, False) for c in (QUICK_CASES if args.quick else CPU_CASES)]
+    if args.profile:
+        print(json.dumps(profile_case(cases[0][0], device, dtype)), flush=True)
+        return
     for case, checkpointing in cases:
         try:
-            print(json.dumps(run_case(case, case["shape"], device, dtype, args, checkpointing)), flush=True)
+            record = run_case(case, case["shape"], device, case.get("dtype", dtype), args, checkpointing)
+            print(json.dumps(record), flush=True)
         except Exception as error:  # noqa: BLE001 - one failed case must not hide the others
             print(json.dumps(dict(section="grad_norms", shape=case["shape"], error=f"{type(error).__name__}: {error}")),
                   flush=True)

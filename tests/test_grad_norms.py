@@ -106,6 +106,30 @@ def test_f3_layernorm_bias_and_tied_head_custom_model():
     torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
 
 
+class OnePlusRMSNorm(nn.Module):
+    """Gemma-style ``(1 + w) ⊙ x / rms(x)``: not of the form ``w ⊙ n(x)``, so the vjp fallback is used."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return (1 + self.weight) * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
+def test_f3_norm_layer_not_affine_in_its_weight_takes_the_exact_fallback():
+    """A (1 + w) RMSNorm: the per-row vector-Jacobian product still gives the exact norms."""
+    torch.manual_seed(10)
+    model = LayerNormLM().double()
+    model.norm_out = OnePlusRMSNorm(8).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids, response, _ = padded_batch(seed=10, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
 def test_frozen_parameters_are_not_counted():
     """θ is the trainable parameters: freezing the embedding removes exactly its contribution."""
     model = tiny_lm("llama", tied=False, seed=3)
