@@ -131,11 +131,11 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     return record
 
 
-def profile_case(case: dict, device: torch.device, dtype: torch.dtype, rows: int = 20) -> dict:
+def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool, rows: int = 20) -> dict:
     """Top operators by device time for one ordinary pass and one one_pass (after a warm-up each)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = build(case, device, dtype)
+    model = build(case, device, dtype, checkpointing)
     ids, mask = batch(*case["shape"], case["vocab"], device)
     x = torch.randn(2, 8, 8, device=device, dtype=dtype)
     try:
@@ -144,7 +144,7 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, rows: int
     except Exception as error:  # noqa: BLE001
         bmm_out_dtype = f"{type(error).__name__}: {str(error)[:200]}"
     record = dict(section="grad_norms_profile", machine=machine(device), B=case["shape"][0], T=case["shape"][1],
-                  bmm_out_dtype=bmm_out_dtype)
+                  bmm_out_dtype=bmm_out_dtype, activation_checkpointing=checkpointing)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, fn in (("ordinary", lambda: ordinary(model, ids, mask)), ("one_pass", lambda: one_pass(model, ids, mask))):
         fn()
@@ -188,7 +188,8 @@ def main(argv=None) -> None:
         device, dtype = torch.device("cpu"), torch.float32
         cases = [(c, False) for c in (QUICK_CASES if args.quick else CPU_CASES)]
     if args.profile:
-        print(json.dumps(profile_case(cases[0][0], device, dtype)), flush=True)
+        for checkpointing in (False, True):
+            print(json.dumps(profile_case(cases[0][0], device, dtype, checkpointing)), flush=True)
         return
     for case, checkpointing in cases:
         try:
