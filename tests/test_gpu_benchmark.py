@@ -1,0 +1,25 @@
+"""benchmarks/gpu_train_paths.py --quick runs every code path on CPU and prints its JSON records (no timing asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_quick_on_cpu():
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_paths.py"), "--quick", "--no-profile"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r for r in records if r["bench"] == "error"] == []
+    paths = {r["path"]: r for r in records if r["bench"] == "generation"}
+    assert set(paths) == {"old", "new_sampling", "static_eager", "static_graphs"}  # graphs: skipped on CPU
+    for path in ("new_sampling", "static_eager"):
+        assert paths[path]["agreement_with_old"] == 1.0 and paths[path]["tokens_per_s"] > 0  # fp32 CPU: same tokens
+    check = next(r for r in records if r["bench"] == "decoder_check")
+    assert check["max_abs_logit_diff"] < 1e-4
+    update = [r for r in records if r["bench"] == "update"]
+    assert {r["activation_checkpointing"] for r in update} == {False, True}
+    assert all(r["mfu"] >= 0 and r["tokens_per_s"] > 0 for r in update)
+    assert {r["top_p"] for r in records if r["bench"] == "sampling"} == {1.0, 0.9}
