@@ -46,7 +46,8 @@ def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: b
                          num_key_value_heads=case["kv"], tie_word_embeddings=case["tied"],
                          max_position_embeddings=4096)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    with torch.device(device):  # initialise on the device: seconds saved per 0.5B model
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # transformers checkpoints only in training mode (no dropout in this config)
