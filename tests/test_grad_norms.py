@@ -295,3 +295,14 @@ def test_fsdp2_two_ranks_with_and_without_activation_checkpointing(tmp_path):
         torch.testing.assert_close(torch.tensor(result["sharded"]), torch.tensor(result["reference"]),
                                    rtol=1e-6, atol=0, msg=case)
         assert not result["grads_set"] and result["backward_after"], case
+
+
+def test_benchmark_command_quick():
+    """`python benchmarks/grad_norms.py --quick` prints a record per case whose one-pass norms agree with the loop."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grad_norms.py"), "--quick"], check=True,
+                          capture_output=True, text=True, timeout=300)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1 and "error" not in records[0]
+    record = records[0]
+    assert record["one_pass_s"] > 0 and record["ordinary_s"] > 0 and record["loop_s"] > 0
+    assert record["max_rel_diff_one_pass_vs_loop"] < 1e-5  # float32 model: rounding only
