@@ -133,7 +133,7 @@ def test_float32_sampling_matches_float64_except_near_a_boundary(top_p):
     vocab = 2000
     logits = 4.0 * torch.randn(4000, vocab, generator=generator)
     uniforms = torch.rand(4000, generator=generator, dtype=torch.float64)
-    fp32 = sample_tokens(logits, uniforms, top_p=top_p)
+    fp32 = sample_tokens(logits, uniforms, top_p=top_p, dtype=torch.float32)
     fp64 = sample_tokens(logits, uniforms, top_p=top_p, dtype=torch.float64)
     differ = fp32 != fp64
     boundary, nucleus = _boundary_distance(logits, uniforms, top_p)
@@ -169,7 +169,7 @@ def test_a_constructed_near_tie_is_where_float32_and_float64_may_differ():
         if c32[i] == c64[i]:
             continue
         for u in torch.linspace(float(min(c32[i], c64[i])), float(max(c32[i], c64[i])), 7, dtype=torch.float64)[1:-1]:
-            a = int(sample_tokens(logits, u[None]))
+            a = int(sample_tokens(logits, u[None], dtype=torch.float32))
             b = int(sample_tokens(logits, u[None], dtype=torch.float64))
             assert abs(a - b) <= 1 and {a, b} <= {i, i + 1}
             assert abs(float(u) - float(c64[i])) <= 7 * 2.0**-24  # within the documented rounding of c_i
