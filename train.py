@@ -34,6 +34,7 @@ import parallel
 from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, row_grad_norms_sq, variance_proxy_metrics
 from otb_ref.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl_penalty
 from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
+from otb_ref.static_decode import StaticKVDecoder, static_decode_unsupported
 from otb_ref.tasks import SYNTHETIC_TASKS, CharTokenizer, Problem, math_reward, synthetic_problem, synthetic_reward
 
 # ----------------------------------------------------------------------------- config
@@ -80,6 +81,7 @@ class Config:
     device: str = _flag("auto", "auto: CUDA when available", ("auto", "cpu", "cuda"))
     mixed_precision: str = _flag("auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32"))
     activation_checkpointing: bool = _flag(False, "recompute decoder-layer activations in backward")
+    static_decode: bool = _flag(False, "generate with otb_ref.static_decode (static KV cache, CUDA graphs on GPU; Qwen2/Llama/Qwen3)")
     logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
     tensorboard: bool = _flag(False, "also write TensorBoard scalars (needs the tensorboard package)")
     debug_dump: str = _flag("", "write per-step advantages and rewards of each rank here", hidden=True)
@@ -308,6 +310,8 @@ def train(cfg: Config, data: list[Problem] | None, env: parallel.Dist) -> None:
         # fully_shard moves each unit to the device as it shards it: no full copy of the model on one GPU.
         return parallel.shard(Policy(model, cfg.temperature, chunk), layers, env, bf16=bf16, activation_checkpointing=checkpointing)
 
+    if cfg.static_decode and (why := static_decode_unsupported(lm)):
+        raise UserError(f"--static-decode: {why}")
     policy = sharded(lm, cfg.activation_checkpointing)
     reference = sharded(ref_lm, False) if ref_lm is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
@@ -353,7 +357,8 @@ def train(cfg: Config, data: list[Problem] | None, env: parallel.Dist) -> None:
         prompt_ids, prompt_mask = prompt_ids.to(env.device), prompt_mask.to(env.device)
         uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[global_rows].to(env.device)
         with parallel.gathered_for_generation(policy):
-            rollout = generate(policy, prompt_ids, prompt_mask, uniforms, eos_token_ids=eos_ids, pad_token_id=pad_id,
+            decoder = StaticKVDecoder(policy, policy.lm, cfg.max_new_tokens) if cfg.static_decode else policy
+            rollout = generate(decoder, prompt_ids, prompt_mask, uniforms, eos_token_ids=eos_ids, pad_token_id=pad_id,
                                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, keep_going=parallel.any_rank)
         response_ids, mask = rollout.response_ids, rollout.response_mask
         lengths = mask.sum(dim=1)  # [B] >= 1

@@ -208,6 +208,18 @@ def test_every_estimator_runs_a_step(tmp_path, estimator):
     assert record["skipped"] == 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
 
+def test_static_decode_gives_the_same_rollouts(tmp_path):
+    """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward."""
+    runs = {}
+    for name, extra in (("forward", []), ("static", ["--static-decode"])):
+        train.main([*SMALL, "--steps", "2", "--output-dir", str(tmp_path / name), "--debug-dump", str(tmp_path / f"d_{name}"),
+                    *extra])
+        runs[name] = [debug_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
+    for forward, static in zip(runs["forward"], runs["static"]):
+        assert torch.equal(forward["response_ids"], static["response_ids"])
+        torch.testing.assert_close(forward["advantages"], static["advantages"], rtol=0, atol=0)
+
+
 def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):
     train.main([*SMALL, "--steps", "3", "--debug-nan-step", "2", "--save-every", "1", "--keep-checkpoints", "0",
                 "--output-dir", str(tmp_path / "nan")])
