@@ -3,6 +3,8 @@
     python benchmarks/run.py              # the shapes (CPU: ~3 minutes on 2 cores)
     python benchmarks/run.py --quick      # tiny shapes, seconds (the test suite runs this)
     python benchmarks/run.py --only otb   # one section: otb | proxy
+    python benchmarks/run.py --gpu        # CUDA: the GPU shapes side by side (benchmarks/gpu.py)
+    python benchmarks/run.py --gpu --quick   # CUDA, tiny shapes through every GPU code path
 
 (a) ``proxy``: chunked ``logprobs_and_sum_pi_squared`` vs the naive full-logits
     path, forward (old log-probs) and forward + backward (the loss): median
@@ -215,8 +217,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (seconds)")
     parser.add_argument("--only", choices=["otb", "proxy"], help="run one section")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--gpu", action="store_true", help="CUDA benchmarks of benchmarks/gpu.py (JSON lines)")
+    parser.add_argument("--out", help="with --gpu: also append the records to this file")
+    parser.add_argument("--time-budget", type=float, default=270.0,
+                        help="with --gpu: skip the cases left after this many seconds")
     parser.add_argument("--proxy-case", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            sys.exit("--gpu: CUDA is not available (torch.cuda.is_available() is False); run without --gpu for CPU")
+        import gpu
+
+        gpu.main(args.quick, args.time_budget, args.out)
+        return
     if args.proxy_case:
         path, mode, n, d, vocab, dtype, device, repeats = args.proxy_case
         result = _proxy_case(path, mode, int(n), int(d), int(vocab), getattr(torch, dtype), torch.device(device), int(repeats))

@@ -120,9 +120,8 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.
             raise ValueError(f"index: expected integer ids, got dtype {index.dtype}")
         if index.shape[0] != batch_size:
             raise ValueError(f"index: length {index.shape[0]} != batch size {batch_size}")
-        _, group = torch.unique(index.to(device), return_inverse=True)
-        num_groups = int(group.max()) + 1 if batch_size else 0
-        return group.long(), num_groups
+        ids, group = torch.unique(index.to(device), return_inverse=True)  # one sync on GPUs (the output's size)
+        return group.long(), ids.numel()
     if isinstance(index, (list, tuple)):
         if len(index) != batch_size:
             raise ValueError(f"index: length {len(index)} != batch size {batch_size}")

@@ -100,7 +100,7 @@ class _Block(NamedTuple):
     rows: slice
     mask: torch.Tensor  # [b, T] 0/1 in the computation dtype (multiplying by it is cheap; bool ops are not)
     rewards: torch.Tensor  # [b, T]
-    energy: torch.Tensor | None  # [b, T] per-token w_t ρ̄_t² (length/proxy)
+    energy: torch.Tensor | None  # [b, T] per-token w_t ρ̄_t² (length/proxy), or ||S_t||² (token exact)
 
 
 # ---------------------------------------------------------------------------
@@ -170,76 +170,176 @@ def _row_blocks(batch_size: int, length: int, device: torch.device) -> list[slic
     return [slice(start, min(start + rows, batch_size)) for start in range(0, batch_size, rows)]
 
 
-def _in_range(bounds: tuple[torch.Tensor, torch.Tensor], low: float, high: float, low_inclusive: bool) -> bool:
-    lo, hi = float(bounds[0]), float(bounds[1])
-    above_low = lo >= low if low_inclusive else lo > low
-    return above_low and hi <= high and math.isfinite(lo) and math.isfinite(hi)
+class _Range(NamedTuple):
+    """Valid values of an input: ``low <(=) v <= high`` and finite."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_inclusive: bool = False
+    rule: str = ""
+
+    def holds(self, bounds: list[float]) -> bool:
+        """True when the ``[min, max]`` of some values lies in the range (NaN in either fails)."""
+        lo, hi = bounds
+        above_low = lo >= self.low if self.low_inclusive else lo > self.low
+        return above_low and hi <= self.high and math.isfinite(lo) and math.isfinite(hi)
 
 
-def _checked(
-    name: str, full: torch.Tensor, rows: slice, mask: torch.Tensor, dtype: torch.dtype,
-    low: float = -math.inf, high: float = math.inf, low_inclusive: bool = False, rule: str = "",
-) -> tuple[torch.Tensor, bool]:
-    """``(full[rows] in dtype, clean)`` after checking that the valid entries are finite and in range.
+# A value inside each input's range: round 2 of the checks puts it off the mask, so that the min and max
+# of the result concern the valid entries alone.
+_FILL = {"token_level_rewards": 0.0, "old_log_probs": 0.0, "sum_pi_squared": 1.0, "cumulative_energy": 0.0,
+         "rollout_is_weights": 0.0}
 
-    ``clean`` says every entry, on the mask or off it, passed: then masking by
-    multiplication is exact. Otherwise something off the mask is NaN, inf or
-    out of range (allowed: it is ignored) and callers mask with ``where``.
+
+def _value_inputs(spec: Estimator, inputs: _Inputs) -> list[tuple[str, torch.Tensor]]:
+    """The ``[B, T]`` value inputs this estimator reads, in the order their errors are reported."""
+    named = [("token_level_rewards", inputs.rewards)]
+    if spec.energy == "proxy":
+        named += [("old_log_probs", inputs.old_log_probs), ("sum_pi_squared", inputs.sum_pi_squared)]
+    if spec.energy == "exact" and spec.granularity == "token":
+        named.append(("cumulative_energy", inputs.cumulative_energy))
+    if spec.energy in ("length", "proxy") and inputs.rollout_is_weights is not None:
+        named.append(("rollout_is_weights", inputs.rollout_is_weights))
+    return named
+
+
+def _value_range(name: str, inputs: _Inputs) -> _Range:
+    if name == "old_log_probs":
+        return _Range(high=_LOG_PROB_SLACK, rule="a log-probability is <= 0")
+    if name == "sum_pi_squared":
+        return _Range(low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]")
+    if name == "cumulative_energy":
+        return _Range(low=0.0, low_inclusive=True, rule="must be >= 0")
+    if name == "rollout_is_weights":
+        # ρ̄² times an energy <= 2, summed over every token of the batch, must stay finite in dtype.
+        batch_size, length = inputs.rewards.shape
+        rho_max = math.sqrt(torch.finfo(inputs.dtype).max / (4.0 * max(batch_size * length, 1)))
+        rule = f"must be >= 0, and <= {rho_max:.3g} so that ρ̄² sums stay finite in {inputs.dtype}"
+        return _Range(0.0, rho_max, True, rule)
+    return _Range()
+
+
+def _host_read(stats: list[torch.Tensor]) -> list[float]:
+    """Every statistic (0-d tensors, any dtypes) in ONE device-to-host transfer: the only sync of a check round."""
+    return torch.stack(stats).tolist() if stats else []
+
+
+def _mask_stats(raw_mask: torch.Tensor) -> list[torch.Tensor]:
+    """``[min, max, Σ m(1 − m)]`` of a non-bool mask, in its own dtype (ints as float64); ``[]`` for bool."""
+    if raw_mask.dtype == torch.bool or not raw_mask.numel():
+        return []
+    as_float = raw_mask if raw_mask.is_floating_point() else raw_mask.double()
+    return [*torch.aminmax(as_float), torch.sum(as_float * (1.0 - as_float))]
+
+
+def _mask_is_binary(stats: list[float]) -> bool:
+    """Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0)."""
+    return _Range(0.0, 1.0, low_inclusive=True).holds(stats[:2]) and stats[2] == 0.0
+
+
+def _raise_if_invalid(name: str, full: torch.Tensor, value_range: _Range, where: torch.Tensor | None) -> None:
+    """Locate a bad entry of ``full`` (among those ``where`` marks valid, if given) and raise naming it."""
+    _checks.require_finite(name, full, where=where)
+    _checks.require_in_range(name, full, value_range.low, value_range.high, where=where,
+                             low_inclusive=value_range.low_inclusive, rule=value_range.rule)
+
+
+def _check_block(
+    inputs: _Inputs, raw_mask: torch.Tensor, reads: list[tuple[str, torch.Tensor, torch.Tensor]], rows: slice
+) -> tuple[list[bool], torch.Tensor | None]:
+    """All value checks of one block, decided now, with ONE host read in the common case.
+
+    ``reads``: ``(name, whole input, this block's rows of it)``. Round 1 reduces
+    the mask's binary test and the min and max of every input over all its
+    entries and reads them in one transfer. An input whose block is "clean"
+    (every entry, on the mask or off it, in range) is done. Round 2, only for
+    inputs with something out of range somewhere (allowed off the mask: it is
+    ignored), checks their valid entries (one more transfer) and raises if
+    one is bad.
+
+    Returns ``(clean per read, valid)``; ``valid = (mask != 0)`` when round 2 ran, else ``None``.
     """
-    raw = full[rows]
-    clean = raw.numel() == 0 or _in_range(torch.aminmax(raw), low, high, low_inclusive)
-    if not clean:
-        valid = mask != 0
-        if bool(valid.any()) and not _in_range(torch.aminmax(raw[valid]), low, high, low_inclusive):
-            full_valid = torch.zeros(full.shape, dtype=torch.bool, device=full.device)
-            full_valid[rows] = valid
-            _checks.require_finite(name, full, where=full_valid)  # raises, naming the index
-            _checks.require_in_range(name, full, low, high, where=full_valid, low_inclusive=low_inclusive, rule=rule)
-    return raw.to(dtype), clean
+    mask_stats = _mask_stats(raw_mask)
+    values = _host_read(mask_stats + [stat for _, _, raw in reads if raw.numel() for stat in torch.aminmax(raw)])
+    if mask_stats and not _mask_is_binary(values[:3]):
+        _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
+    values, clean = values[len(mask_stats):], []
+    for name, _, raw in reads:
+        clean.append(not raw.numel() or _value_range(name, inputs).holds(values[:2]))
+        values = values[2 if raw.numel() else 0:]
+    if all(clean):
+        return clean, None
+    valid = raw_mask != 0
+    unclean = [(name, full, raw) for (name, full, raw), ok in zip(reads, clean) if not ok]
+    # Off the mask each input is replaced by a fill inside its range: min and max then concern the valid entries.
+    filled = [torch.where(valid, raw, _FILL[name]) for name, _, raw in unclean]
+    values = _host_read([stat for tensor in filled for stat in torch.aminmax(tensor)])
+    for i, (name, full, _) in enumerate(unclean):
+        if not _value_range(name, inputs).holds(values[2 * i:2 * i + 2]):
+            where = torch.zeros(full.shape, dtype=torch.bool, device=full.device)
+            where[rows] = valid
+            _raise_if_invalid(name, full, _value_range(name, inputs), where)
+    return clean, valid
 
 
-def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` where the mask is 1, zero elsewhere, whatever stood there."""
-    return values * mask if clean else torch.where(mask != 0, values, 0.0)
+def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``values`` where the mask is 1, zero elsewhere, whatever stood there.
+
+    Multiplying by the 0/1 mask is exact when every entry is finite (``clean``);
+    otherwise ``where`` drops NaN and inf off the mask.
+    """
+    return values * mask if clean else torch.where(valid, values, 0.0)
 
 
-def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
-    """Validate one block of rows, zero it off the mask, compute its per-token energies."""
-    dtype = inputs.dtype
-    raw_mask = inputs.mask[rows]
-    if raw_mask.dtype != torch.bool and raw_mask.numel():
-        # Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0), in the mask's own dtype.
-        as_float = raw_mask if raw_mask.is_floating_point() else raw_mask.double()
-        in_unit = _in_range(torch.aminmax(as_float), 0.0, 1.0, low_inclusive=True)
-        if not (in_unit and float(torch.sum(as_float * (1.0 - as_float))) == 0.0):
-            _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
-    mask = raw_mask.to(dtype)  # [b, T] exact: entries are 0 or 1
-    rewards = _apply_mask(*_checked("token_level_rewards", inputs.rewards, rows, mask, dtype), mask)
-    energy, clean = None, True
+def _energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-token energy ``w_t ρ̄_t²`` (length, proxy) or ``||S_t||²`` (token exact) from the block's values."""
     if spec.energy == "length":
         energy = mask
     elif spec.energy == "proxy":
-        log_probs, clean_lp = _checked(
-            "old_log_probs", inputs.old_log_probs, rows, mask, dtype, high=_LOG_PROB_SLACK, rule="a log-probability is <= 0"
-        )
-        sum_sq, clean_sq = _checked(
-            "sum_pi_squared", inputs.sum_pi_squared, rows, mask, dtype,
-            low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]",
-        )
-        energy = token_energy(log_probs, sum_sq)  # 1 − 2π + Σπ² (F6)
-        clean = clean_lp and clean_sq
-    if energy is not None and inputs.rollout_is_weights is not None:
-        # ρ̄² times an energy <= 2, summed over every token of the batch, must stay finite in dtype.
-        batch_size, length = inputs.rewards.shape
-        rho_max = math.sqrt(torch.finfo(dtype).max / (4.0 * max(batch_size * length, 1)))
-        rho, clean_rho = _checked(
-            "rollout_is_weights", inputs.rollout_is_weights, rows, mask, dtype, low=0.0, high=rho_max,
-            low_inclusive=True, rule=f"must be >= 0, and <= {rho_max:.3g} so that ρ̄² sums stay finite in {dtype}",
-        )
-        energy, clean = energy * rho.square(), clean and clean_rho
+        energy = token_energy(values["old_log_probs"], values["sum_pi_squared"])  # 1 − 2π + Σπ² (F6)
+    elif "cumulative_energy" in values:
+        energy = values["cumulative_energy"]  # ||S_t||², already cumulative
+    else:
+        return None
+    if "rollout_is_weights" in values:
+        energy = energy * values["rollout_is_weights"].square()
+    return energy
+
+
+def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
+    """Validate one block of rows, zero it off the mask, compute its per-token energies.
+
+    The checks are decided first, with one host read (:func:`_check_block`).
+    Inputs in range everywhere are masked by multiplication (exact, and
+    cheaper than ``where`` on CPU); the others with ``where``.
+    """
+    dtype = inputs.dtype
+    raw_mask = inputs.mask[rows]
+    reads = [(name, full, full[rows]) for name, full in _value_inputs(spec, inputs)]
+    clean, valid = _check_block(inputs, raw_mask, reads, rows)
+    mask = raw_mask.to(dtype)  # [b, T] exact: entries are 0 or 1
+    values = {name: raw.to(dtype) for name, _, raw in reads}
+    is_clean = {name: ok for (name, _, _), ok in zip(reads, clean)}
+    rewards = _apply_mask(values.pop("token_level_rewards"), is_clean["token_level_rewards"], mask, valid)
+    energy = _energy(spec, values, mask)
     if energy is not None and energy is not mask:
-        energy = _apply_mask(energy, clean, mask)
+        energy = _apply_mask(energy, all(is_clean[name] for name in values), mask, valid)
     return _Block(rows, mask, rewards, energy)
+
+
+def _rows_output(
+    blocks: list[slice], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Buffer for an output assembled from row blocks, or ``None`` for one block (see :func:`_put`)."""
+    return None if len(blocks) == 1 else torch.empty(shape, dtype=dtype, device=device)
+
+
+def _put(out: torch.Tensor | None, rows: slice, value: torch.Tensor) -> torch.Tensor:
+    """``out[rows] = value``; with one block (``out is None``) the block's tensor is the output: no copy."""
+    if out is None:
+        return value
+    out[rows] = value
+    return out
 
 
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -288,12 +388,13 @@ def _sequence_advantages(spec: Estimator, inputs: _Inputs, epsilon: float, basel
     """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    mask = torch.empty((batch_size, length), dtype=dtype, device=device)
+    blocks = _row_blocks(batch_size, length, device)
+    mask = _rows_output(blocks, (batch_size, length), dtype, device)
     total_return = torch.zeros(batch_size, dtype=dtype, device=device)  # R [B]
     weights = torch.ones(batch_size, dtype=dtype, device=device)  # v [B] (uniform)
-    for rows in _row_blocks(batch_size, length, device):
+    for rows in blocks:
         block = _read_block(spec, inputs, rows)
-        mask[rows] = block.mask
+        mask = _put(mask, rows, block.mask)
         total_return[rows] = block.rewards.sum(dim=-1)
         if block.energy is not None:
             weights[rows] = block.energy.sum(dim=-1)
@@ -322,30 +423,28 @@ def _token_advantages(
     """
     batch_size, length = inputs.rewards.shape
     device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
-    returns = torch.empty((batch_size, length), dtype=dtype, device=device)  # G_t [B, T]
-    lengths = torch.empty(batch_size, dtype=torch.long, device=device)  # generated tokens per row
-    own_energy = torch.empty_like(returns) if spec.leave_one_out else None  # W_t [B, T]
+    blocks = _row_blocks(batch_size, length, device)
+    returns = _rows_output(blocks, (batch_size, length), dtype, device)  # G_t [B, T]
+    lengths = _rows_output(blocks, (batch_size,), torch.long, device)  # generated tokens per row
+    own_energy = _rows_output(blocks, (batch_size, length), dtype, device) if spec.leave_one_out else None  # W_t
     sum_dtype = _LEAVE_ONE_OUT_DTYPE if spec.leave_one_out else dtype
     numerator = torch.zeros((inputs.num_groups, length), dtype=sum_dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
     denominator = torch.zeros_like(numerator)  # Σ_j W_t^j [G, T]
-    blocks = _row_blocks(batch_size, length, device)
 
     for rows in blocks:  # pass 1
         block = _read_block(spec, inputs, rows)
         mask = block.mask
-        lengths[rows] = mask.sum(dim=-1).long()
+        lengths = _put(lengths, rows, mask.sum(dim=-1).long())
         returns_to_go = _reverse_cumsum(block.rewards)  # [b, T]
-        returns[rows] = returns_to_go
+        returns = _put(returns, rows, returns_to_go)
         if spec.energy == "uniform":
             energy = mask  # W_t = 1 while alive
         elif spec.energy == "exact":
-            energy = _apply_mask(*_checked(
-                "cumulative_energy", inputs.cumulative_energy, rows, mask, dtype, low=0.0, low_inclusive=True, rule="must be >= 0"
-            ), mask)  # ||S_t||²
+            energy = block.energy  # ||S_t||², checked and zero off the mask
         else:
             energy = block.energy.cumsum(dim=-1).mul_(mask)  # realized energy W_t, zero where not alive
-        if own_energy is not None:
-            own_energy[rows] = energy
+        if spec.leave_one_out:
+            own_energy = _put(own_energy, rows, energy)
         if multi_turn:  # compare k-th generated tokens, not absolute positions
             slot = _generated_token_rank(mask)
             energy, returns_to_go = _to_slots(energy, slot), _to_slots(returns_to_go, slot)
@@ -368,7 +467,7 @@ def _token_advantages(
     if not spec.leave_one_out:
         group_baseline = _safe_ratio(numerator, denominator + baseline_eps) * group_has_baseline[:, None]  # [G, T]
     positions = torch.arange(length, device=device)
-    advantages = torch.empty_like(returns)
+    advantages = _rows_output(blocks, (batch_size, length), dtype, device)
 
     for rows in blocks:  # pass 2
         mask = inputs.mask[rows].to(dtype)
@@ -387,7 +486,7 @@ def _token_advantages(
         advantage = (returns[rows] - baseline).mul_(mask)
         if scale is not None:
             advantage.mul_(scale[rows, None])
-        advantages[rows] = advantage
+        advantages = _put(advantages, rows, advantage)
     return advantages, returns
 
 
@@ -452,8 +551,10 @@ def _validate(
         _checks.require_device("grad_norms_sq", value, device, "token_level_rewards")
         if not value.is_floating_point():
             raise ValueError(f"grad_norms_sq: expected a floating dtype, got {value.dtype}")
-        _checks.require_finite("grad_norms_sq", value)
-        _checks.require_in_range("grad_norms_sq", value, 0.0, math.inf, rule="squared norms are >= 0")
+        norms_range = _Range(0.0, math.inf, low_inclusive=True, rule="squared norms are >= 0")
+        # Finite and >= 0, decided with one host read.
+        if value.numel() and not norms_range.holds(_host_read(list(torch.aminmax(value)))):
+            _raise_if_invalid("grad_norms_sq", value, norms_range, None)
     for name in _REQUIRED.get((spec.granularity, spec.energy), ()):
         if named[name] is None:
             raise ValueError(f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given")

@@ -16,11 +16,14 @@ This equals ``exp(logsumexp(2z) − 2 logsumexp(z))``.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, NamedTuple
+
 import torch
 
 from otb_ref._checks import compute_dtype, positive_scalar, require_device, require_tensor
 
-__all__ = ["sum_pi_squared", "token_energy", "logprobs_and_sum_pi_squared"]
+__all__ = ["sum_pi_squared", "token_energy", "logprobs_and_sum_pi_squared", "FUSED_CHUNK_ROWS"]
 
 # Logits elements per chunk when ``chunk_size`` is not given. On CPU a small
 # chunk keeps the working set (one fp32 [chunk, V] buffer) in cache and the
@@ -172,6 +175,185 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+# ---------------------------------------------------------------------------
+# The fused path: per chunk one matmul in the input dtype, then ONE pass over
+# its logits (forward: a reduction; backward: the logits' gradient written in
+# place). The two functions below are plain torch, run as they are on CPU
+# (tests compare them with the eager path) and through torch.compile on
+# accelerators, where each becomes one kernel that reads the chunk's logits
+# once instead of the eager path's ~6 fp32 passes.
+# ---------------------------------------------------------------------------
+
+# Rows per chunk of the fused path when ``chunk_size`` is not given. The
+# chunk's logits ([rows, V] in the input dtype, 1.16 GiB at 4096 x 152064
+# bf16) are the only large buffer of forward and backward. Measured with
+# `python benchmarks/run.py --gpu` on an H100 at T = 8192, d = 3584,
+# V = 152064, bf16 (benchmarks/results/gpu_NVIDIA-H100-80GB-HBM3.jsonl):
+# forward + backward 0.95 / 0.90 / 0.84 / 0.71x the naive full-logits path at
+# 1024 / 2048 / 4096 / 8192 rows (fewer chunks: fewer recomputed matmuls, and
+# larger K in the weight gradient's), forward 1.24-1.31x the LM-head matmul
+# alone; at T = 16384 the peak beyond inputs and gradients is 1.16 GiB at
+# 4096 rows and 2.32 GiB at 8192 (over the 2 GiB budget). Hence 4096.
+FUSED_CHUNK_ROWS = 4096
+
+IMPLEMENTATIONS = ("auto", "eager", "fused")
+
+
+def fused_chunk_statistics(
+    logits: torch.Tensor, targets: torch.Tensor, inv_tau: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log π(y), logsumexp(z), Σ_v π_v²)`` of one chunk, each ``[c]`` fp32, from one read of its logits.
+
+    With ``z = logits / τ`` in fp32, ``m = max_v z_v``, ``e_v = exp(z_v − m)``,
+    ``s₁ = Σ_v e_v`` and ``s₂ = Σ_v e_v²``:
+
+        logsumexp = m + log s₁,   Σπ² = s₂ / s₁²,   log π(y) = z_y − logsumexp
+
+    (the stable form of F6; the same operations as the eager path, so equal
+    to it on CPU). ``logits``: ``[c, V]`` (bf16/fp16/fp32); ``targets``: ``[c]`` int64.
+    """
+    z = logits.float() * inv_tau  # [c, V]
+    z_max = z.amax(dim=-1, keepdim=True)  # [c, 1]
+    e = torch.exp(z - z_max)  # [c, V] in [0, 1]
+    s1 = e.sum(dim=-1)  # [c] >= 1
+    s2 = (e * e).sum(dim=-1)  # [c] in [1, s1]
+    logsumexp = z_max.squeeze(-1) + torch.log(s1)
+    sum_sq = (s2 / s1.square()).clamp(max=1.0)
+    log_prob = z.gather(1, targets[:, None]).squeeze(1) - logsumexp
+    return log_prob, logsumexp, sum_sq
+
+
+def fused_logits_grad_(
+    logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor, grad_log_probs: torch.Tensor, inv_tau: float
+) -> torch.Tensor:
+    """In place: ``logits ← g (e_y − π) / τ``, the gradient of ``Σ_i g_i log π_i(y_i)`` w.r.t. the raw logits.
+
+    ``π = exp(z − logsumexp)`` with ``z = logits / τ`` in fp32; the result is
+    rounded once to the logits' dtype. ``logits``: ``[c, V]``; ``targets``,
+    ``logsumexp`` (from :func:`fused_chunk_statistics`), ``grad_log_probs``
+    (``g``, fp32): ``[c]``. Returns ``logits``.
+    """
+    pi = torch.exp(logits.float() * inv_tau - logsumexp[:, None])  # [c, V] softmax(z)
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    is_target = vocab[None, :] == targets[:, None]  # [c, V] the one-hot e_y
+    scale = (grad_log_probs * inv_tau)[:, None]  # [c, 1] g / τ
+    return logits.copy_((is_target.float() - pi) * scale)
+
+
+class _FusedKernels(NamedTuple):
+    statistics: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    logits_grad_: Callable[..., torch.Tensor]
+
+
+def _compile_rows_dynamic(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` whose tensor arguments' first (row) dimension is dynamic.
+
+    ``fullgraph``: the function must become whole kernels, never fall back
+    to eager in parts (whose fp32 temporaries would be 8x the memory). The
+    row count varies (the last chunk is shorter): one kernel serves all.
+    """
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return call
+
+
+@functools.cache
+def _compiled_kernels() -> _FusedKernels:
+    """The two fused functions through ``torch.compile``, built once, on first use on an accelerator."""
+    return _FusedKernels(_compile_rows_dynamic(fused_chunk_statistics), _compile_rows_dynamic(fused_logits_grad_))
+
+
+def _fused_kernels(device: torch.device) -> _FusedKernels:
+    """Compiled on accelerators; the plain functions on CPU (what the tests compare with the eager path)."""
+    if device.type == "cpu":
+        return _FusedKernels(fused_chunk_statistics, fused_logits_grad_)
+    return _compiled_kernels()
+
+
+class _FusedChunkedLogProbs(torch.autograd.Function):
+    """Chunked ``log π(y)`` and ``Σπ²`` with one pass over each chunk's logits; backward recomputes them.
+
+    Backward, per chunk: ``Z = h Wᵀ``, ``Z ← g (e_y − π) / τ`` in place, then
+    ``∂h = Z W`` and ``∂W += Zᵀ h``. The chunks run last to first: with
+    ``keep_last`` the last chunk's logits stay from forward (the buffer
+    forward held anyway) and only the others are recomputed, one matmul saved.
+    ``∂W`` is accumulated in the input dtype (``addmm_``: each chunk's product
+    is summed in fp32 inside the matmul and rounded once into the running
+    sum), so nothing beyond the returned gradients and one chunk of logits is
+    allocated; an fp32 accumulator would add 4 bytes x V x d (2.0 GiB at
+    152064 x 3584).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_tau, chunk_size, keep_last):  # noqa: D401
+        kernels = _fused_kernels(hidden.device)
+        num_rows = hidden.shape[0]
+        log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(log_probs)
+        sum_sq = torch.empty_like(log_probs)
+        logits = None
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = None  # free the previous chunk before the next matmul
+            logits = hidden[rows] @ weight.T  # [c, V] in the input dtype
+            log_probs[rows], logsumexp[rows], sum_sq[rows] = kernels.statistics(logits, targets[rows], inv_tau)
+        ctx.save_for_backward(hidden, weight, targets, logsumexp)
+        ctx.inv_tau, ctx.chunk_size = inv_tau, chunk_size
+        ctx.last_logits = logits if keep_last else None  # read once by backward, then dropped
+        ctx.mark_non_differentiable(sum_sq)
+        return log_probs, sum_sq
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_probs, _grad_sum_sq):
+        hidden, weight, targets, logsumexp = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kernels = _fused_kernels(hidden.device)
+        g = grad_log_probs.to(torch.float32).contiguous()  # [N] (an expanded sum() gradient is materialised)
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        grad_weight = None
+        kept, ctx.last_logits = ctx.last_logits, None  # a second backward (retain_graph) recomputes every chunk
+        for start in reversed(range(0, hidden.shape[0], ctx.chunk_size)):
+            rows = slice(start, start + ctx.chunk_size)
+            h = hidden[rows]  # [c, d]
+            logits = kept if kept is not None else h @ weight.T  # [c, V]: kept from forward, or recomputed
+            kept = None
+            grad_z = kernels.logits_grad_(logits, targets[rows], logsumexp[rows], g[rows], ctx.inv_tau)
+            if need_hidden:
+                torch.mm(grad_z, weight, out=grad_hidden[rows])  # [c, d]
+            if need_weight:
+                grad_weight = grad_z.T @ h if grad_weight is None else grad_weight.addmm_(grad_z.T, h)  # [V, d]
+            del logits, grad_z
+        if need_weight and grad_weight is None:  # no rows
+            grad_weight = torch.zeros_like(weight)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _use_fused(implementation: str, hidden: torch.Tensor) -> bool:
+    """``"auto"``: fused on CUDA with Triton (torch.compile's GPU backend), else eager. fp64: always eager."""
+    if hidden.dtype == torch.float64 or implementation == "eager":
+        return False
+    if implementation == "fused":
+        return True
+    return hidden.device.type == "cuda" and has_triton()
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether torch.compile's GPU backend (Triton, with a GPU it supports) is usable here."""
+    try:
+        from torch.utils._triton import has_triton as torch_has_triton
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return bool(torch_has_triton())
+
+
 def logprobs_and_sum_pi_squared(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -179,6 +361,7 @@ def logprobs_and_sum_pi_squared(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``targets`` and ``Σπ²`` from an LM head, chunk by chunk.
 
@@ -186,15 +369,27 @@ def logprobs_and_sum_pi_squared(
     ``log_probs = z_y − logsumexp(z)`` and ``sum_pi_squared = Σ_v softmax(z)_v²``
     (F6). Rows are processed ``chunk_size`` at a time, so at most one
     ``[chunk_size, V]`` logits buffer exists. Backward recomputes each chunk's
-    logits from ``hidden`` and ``weight`` instead of storing them.
+    logits from ``hidden`` and ``weight`` instead of storing them (the fused
+    path keeps the last chunk's buffer from forward to backward instead of
+    recomputing it).
 
     Args:
         hidden: ``[..., d]`` final hidden states (bf16/fp16/fp32/fp64).
         weight: ``[V, d]`` LM-head weight, same dtype and device as ``hidden``.
         targets: ``[...]`` integer token ids in ``[0, V)``.
         temperature: ``τ > 0``, the sampling temperature.
-        chunk_size: rows per chunk; default keeps one chunk's logits at about
-            4M elements on CPU (64M on accelerators).
+        chunk_size: rows per chunk. Default: eager, one chunk's logits at
+            about 4M elements on CPU (64M on accelerators); fused,
+            :data:`FUSED_CHUNK_ROWS` rows.
+        implementation: ``"eager"``: plain torch ops per chunk (several fp32
+            ``[chunk, V]`` temporaries). ``"fused"``: per chunk one matmul in
+            the input dtype and one pass over its logits
+            (:func:`fused_chunk_statistics`, :func:`fused_logits_grad_`),
+            compiled with ``torch.compile`` on accelerators, plain torch on
+            CPU; the weight gradient is accumulated in the input dtype. fp64
+            input always takes the eager path. ``"auto"`` (default): fused on
+            CUDA with Triton, eager elsewhere. Both give the same values to
+            rounding (tested).
 
     Returns:
         ``(log_probs, sum_pi_squared)``, both shaped like ``targets``, fp32
@@ -223,15 +418,29 @@ def logprobs_and_sum_pi_squared(
             f"targets: shape {tuple(targets.shape)} does not match hidden's leading dims {tuple(hidden.shape[:-1])}"
         )
     vocab = weight.shape[0]
-    if targets.numel() and (bool((targets < 0).any()) or bool((targets >= vocab).any())):
-        raise ValueError(f"targets: token ids must lie in [0, {vocab}) (the rows of weight)")
+    if targets.numel():
+        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host read
+        if low < 0 or high >= vocab:
+            raise ValueError(f"targets: token ids must lie in [0, {vocab}) (the rows of weight)")
     inv_tau = 1.0 / positive_scalar("temperature", temperature)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}")
+    fused = _use_fused(implementation, hidden)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, d]
     flat_targets = targets.reshape(-1).long()  # [N]
     if chunk_size is None:
-        chunk_size = _default_chunk_size(flat_hidden.shape[0], vocab, hidden.device)
+        num_rows = flat_hidden.shape[0]
+        if fused:
+            chunk_size = max(1, min(num_rows, FUSED_CHUNK_ROWS))
+        else:
+            chunk_size = _default_chunk_size(num_rows, vocab, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
+    if fused:
+        keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        log_probs, sum_sq = _FusedChunkedLogProbs.apply(
+            flat_hidden, weight, flat_targets, inv_tau, chunk_size, keep_last)
+    else:
+        log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
     _raise_if_nan("hidden, weight", sum_sq)
     return log_probs.reshape(targets.shape), sum_sq.reshape(targets.shape)

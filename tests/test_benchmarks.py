@@ -20,3 +20,16 @@ def test_benchmark_command_quick():
     assert {r["mode"] for r in proxy} == {"forward", "forward_backward"}
     for record in proxy:
         assert record["chunked_seconds"] > 0 and record["naive_seconds"] > 0
+
+
+def test_gpu_flag_without_cuda_is_one_clear_line():
+    """`run.py --gpu` on a machine without CUDA exits non-zero with one line saying so (CPU CI)."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: `run.py --gpu --quick` is exercised on the GPU machine")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--gpu", "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr.strip().startswith("--gpu: CUDA is not available") and len(out.stderr.strip().splitlines()) == 1
