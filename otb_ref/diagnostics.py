@@ -47,7 +47,9 @@ def variance_proxy_metrics(
         rollout_is_weights: optional ``[B, T]`` truncated IS weights ``ρ̄_t``.
             Then ``P = mean_i(ρ̄_i² a_i² W_i)`` with ``ρ̄_i`` the row's mean
             weight and ``W_i`` the unweighted energy, and ``expected_w`` uses
-            ``ρ̄_t²``-weighted energies (the authors' convention).
+            ``ρ̄_t²``-weighted energies (the authors' convention). verl recovers
+            ``W_i`` as ``Σ_t (w_t ρ̄_t²) / max(ρ̄_t², 1e-10)``, which under-counts
+            ``w_t`` where ``ρ̄_t < 1e-5``; here ``W_i`` is exact.
         grad_norm: measured norm of the batch-mean gradient ``||ḡ||``.
 
     Returns:

@@ -8,7 +8,7 @@ then `pip install --no-deps -r requirements-verl.txt`).
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import otb_ref
@@ -89,6 +89,9 @@ def test_variance_proxy_metrics_match_verl(batch, with_is, grad_norm):
     }
     if with_is:
         tensors["rollout_is_weights"] = batch.rollout_is_weights
+        # verl recovers the unweighted energy as (w ρ²) / clamp(ρ², 1e-10): for ρ_t < 1e-5 on the mask that
+        # under-counts w_t, while ours uses w_t itself (test_variance_proxy_with_tiny_is_weights_keeps_the_energy).
+        assume(not bool(((batch.rollout_is_weights.square() < 1e-10) & batch.mask.bool()).any()))
     theirs = metric_utils.compute_variance_proxy_metrics(DataProto.from_dict(tensors={k: v.clone() for k, v in tensors.items()}), gradient_norm=grad_norm)
     ours = otb_ref.variance_proxy_metrics(
         advantages, batch.mask, batch.old_log_probs, batch.sum_pi_squared,
@@ -97,3 +100,16 @@ def test_variance_proxy_metrics_match_verl(batch, with_is, grad_norm):
     assert set(ours) == set(theirs)
     for key in ours:
         assert ours[key] == pytest.approx(float(theirs[key]), rel=1e-6, abs=1e-6), key
+
+
+def test_variance_proxy_with_tiny_is_weights_keeps_the_energy():
+    """A valid ρ_t below 1e-5 (where verl's clamp-based recovery of w_t differs): P = mean(ρ̄² a² Σ_t w_t) exactly."""
+    advantages = torch.tensor([[1.0, 1.0], [-2.0, -2.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.float64)
+    old_log_probs = torch.log(torch.tensor([[0.5, 0.25], [0.2, 0.9]], dtype=torch.float64))
+    sum_pi_squared = torch.tensor([[0.5, 0.3], [0.4, 0.85]], dtype=torch.float64)
+    rho = torch.tensor([[1e-7, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    w = 1 - 2 * old_log_probs.exp() + sum_pi_squared
+    expected = ((rho.mean(dim=1) ** 2) * advantages.mean(dim=1) ** 2 * w.sum(dim=1)).mean()
+    got = otb_ref.variance_proxy_metrics(advantages, mask, old_log_probs, sum_pi_squared, rollout_is_weights=rho)
+    assert got["variance_proxy/proxy2_total_power"] == pytest.approx(float(expected), rel=1e-12)
