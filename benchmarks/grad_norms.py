@@ -114,7 +114,8 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     rows, length = shape
     ids, mask = batch(rows, length, case["vocab"], device)
     record = dict(section="grad_norms", machine=machine(device), torch=torch.__version__, dtype=str(dtype)[6:],
-                  params=sum(p.numel() for p in model.parameters()), B=rows, T=length, activation_checkpointing=checkpointing,
+                  params=sum(p.numel() for p in model.parameters()), B=rows, T=length,
+                  activation_checkpointing=checkpointing,
                   **{k: v for k, v in case.items() if k not in ("shape", "dtype")})
     t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)
     t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)
@@ -147,7 +148,8 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
     record = dict(section="grad_norms_profile", machine=machine(device), B=case["shape"][0], T=case["shape"][1],
                   bmm_out_dtype=bmm_out_dtype, activation_checkpointing=checkpointing)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for name, fn in (("ordinary", lambda: ordinary(model, ids, mask)), ("one_pass", lambda: one_pass(model, ids, mask))):
+    passes = (("ordinary", lambda: ordinary(model, ids, mask)), ("one_pass", lambda: one_pass(model, ids, mask)))
+    for name, fn in passes:
         fn()
         sync(device)
         with profile(activities=activities) as prof:

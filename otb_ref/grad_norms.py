@@ -385,7 +385,9 @@ def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tenso
         normalized = _affine_norm_input(call, verify=type(call.module) not in _AFFINE_NORM_CLASSES)  # or None
         if normalized is not None:
             dtype = _accumulate_dtype(g)
-            out = {"weight": (g.to(dtype) * normalized.to(dtype)).flatten(1, -2).sum(dim=1)} if "weight" in names else {}
+            out = {}
+            if "weight" in names:
+                out["weight"] = (g.to(dtype) * normalized.to(dtype)).flatten(1, -2).sum(dim=1)
             if "bias" in names:
                 out["bias"] = g.flatten(1, -2).sum(dim=1, dtype=dtype)
             return out
