@@ -1,0 +1,155 @@
+"""The estimator family in plain vectorised torch: the form to read, and to port (THEORY §3, F7).
+
+:func:`otb_ref.compute_advantages` computes exactly these numbers: it validates its inputs once and then runs
+a blocked, fused path (``otb_ref.advantages``). This module states the same maths with no blocking, no
+validation and no speed tricks; a hypothesis test checks that the two agree everywhere the strategies reach.
+
+Notation (THEORY §1): B responses, T positions; ``m_t`` the response mask (holes allowed); rewards ``r_t``;
+``G_t = Σ_{k ≥ t} m_k r_k`` the return-to-go and ``R = G_0`` the return. Groups are the responses of one
+prompt.
+
+* Energies. Per-token energy ``w_t`` (``length``: 1; ``proxy``: ``1 − 2π(y_t) + Σπ²``), times ``ρ̄_t²`` with IS
+  weights. Sequence weight ``v = Σ_t w_t`` (``uniform``: 1; ``exact``: ``‖S‖²``). Realized energy
+  ``W_t = Σ_{j ≤ t} w_j`` (``uniform``: 1; ``exact``: ``‖S_t‖²``).
+* Sequence baselines: ``b_i = Σ_{j ∈ g} v_j R_j / Σ_{j ∈ g} v_j``, then ``A_it = (R_i − b_i) m_it``.
+* Token baselines: ``B_it = Σ_{j ∈ g} m_jt W_jt G_jt / Σ_{j ∈ g} m_jt W_jt``, then ``A_it = (G_it − B_it) m_it``.
+* Leave-one-out: the sums over ``g`` skip ``j = i`` (unbiased, F7). Groups of one get no baseline.
+* Std scaling (GRPO): ``A ← A / (std_g(R) + ε)`` with the unbiased std of the group's returns.
+* ``ε`` is added to energy-weighted denominators (``proxy``, ``exact``) only; a zero denominator gives 0.
+* Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
+  empty responses take no part in their group.
+* Zero tail: the unique longest response of a group gets baseline 0 at positions beyond the second longest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from otb_ref.advantages import ESTIMATORS, Estimator
+from otb_ref.proxy import token_energy
+
+__all__ = ["returns_to_go", "energies", "group_mean", "sequence_advantages", "token_advantages", "std_scaled",
+           "advantages"]
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``G_t = Σ_{k ≥ t} m_k r_k``. rewards, mask: [B, T]. Returns [B, T]."""
+    return (rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
+def energies(spec: Estimator, mask, old_log_probs=None, sum_pi_squared=None, grad_norms_sq=None,
+             cumulative_energy=None, rollout_is_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v [B], W [B, T])``: each response's sequence weight and its realized energy at every position."""
+    if spec.energy == "uniform":
+        return mask.new_ones(mask.shape[0]), torch.ones_like(mask)
+    if spec.energy == "exact":
+        return grad_norms_sq, cumulative_energy
+    w = torch.ones_like(mask) if spec.energy == "length" else token_energy(old_log_probs, sum_pi_squared)  # [B, T]
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.square()
+    w = w * mask
+    return w.sum(dim=-1), w.cumsum(dim=-1)  # v = Σ_t w_t, W_t = Σ_{j ≤ t} w_j
+
+
+def group_mean(weights, values, group, leave_one_out: bool, epsilon: float) -> torch.Tensor:
+    """``Σ_{j ∈ g(i)} a_j x_j / (Σ_{j ∈ g(i)} a_j + ε)`` per row (``j ≠ i`` with leave-one-out); 0 where the
+    denominator is 0. weights, values: [B, ...]; group: [B] ids in [0, G). Returns [B, ...]."""
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    num = torch.zeros(num_groups, *values.shape[1:], dtype=values.dtype).index_add_(0, group, weights * values)
+    den = torch.zeros(num_groups, *values.shape[1:], dtype=values.dtype).index_add_(0, group, weights)
+    num, den = num[group], den[group]
+    if leave_one_out:
+        num, den = num - weights * values, den - weights
+    den = den + epsilon
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
+
+
+def sequence_advantages(R, v, mask, group, counted, leave_one_out: bool, epsilon: float) -> torch.Tensor:
+    """``A_it = (R_i − b_i) m_it`` with ``b_i`` the v-weighted group mean of R. R, v, group, counted: [B];
+    mask: [B, T]. Rows not ``counted`` neither contribute nor get a baseline."""
+    b = group_mean(v * counted, R, group, leave_one_out, epsilon)  # [B]
+    b = torch.where(_group_size(group, counted) >= 2, b, 0.0) * counted
+    return (R - b)[:, None] * mask
+
+
+def token_advantages(G, W, mask, group, counted, leave_one_out: bool, epsilon: float,
+                     zero_tail_from: torch.Tensor | None = None) -> torch.Tensor:
+    """``A_it = (G_it − B_it) m_it`` with ``B_it`` the ``m W``-weighted group mean of ``G`` at position t.
+    G, W, mask: [B, T] (already aligned: multi-turn callers pass rank-aligned slots); group, counted: [B].
+    ``zero_tail_from`` [B]: the baseline is 0 at positions ``≥`` it (``T`` for no zero tail)."""
+    weights = W * mask * counted[:, None]  # [B, T]: only tokens that exist take part
+    b = group_mean(weights, G, group, leave_one_out, epsilon)  # [B, T]
+    b = torch.where((_group_size(group, counted) >= 2)[:, None], b, 0.0) * counted[:, None]
+    if zero_tail_from is not None:
+        b = torch.where(torch.arange(G.shape[1]) >= zero_tail_from[:, None], 0.0, b)
+    return (G - b) * mask
+
+
+def _group_size(group, counted) -> torch.Tensor:
+    """Number of counted rows in each row's group, [B]."""
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    return torch.zeros(num_groups, dtype=counted.dtype).index_add_(0, group, counted)[group]
+
+
+def _zero_tail_from(lengths, group, counted) -> torch.Tensor:
+    """Second-longest length of the group for the unique longest row of each group; ``T``-like infinity else."""
+    big = torch.full_like(lengths, torch.iinfo(lengths.dtype).max)
+    start = big.clone()
+    for g in group.unique():
+        rows = ((group == g) & counted.bool()).nonzero().flatten()
+        if rows.numel() < 2:
+            continue
+        ordered = lengths[rows].sort(descending=True).values
+        if ordered[0] > ordered[1]:  # a unique longest response
+            start[rows[lengths[rows] == ordered[0]]] = ordered[1]
+    return start
+
+
+def _rank_slots(mask: torch.Tensor) -> torch.Tensor:
+    """``slot[i, t]``: the rank k of token t among row i's generated tokens (T for positions off the mask)."""
+    rank = mask.long().cumsum(dim=-1) - 1
+    return torch.where(mask.bool(), rank, mask.shape[1])
+
+
+def advantages(estimator, rewards, mask, index, *, old_log_probs=None, sum_pi_squared=None, grad_norms_sq=None,
+               cumulative_energy=None, rollout_is_weights=None, leave_one_out=None, std_normalize=None,
+               multi_turn=False, handle_zero_tail=False, epsilon=1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages`` (fp64)."""
+    spec = ESTIMATORS[estimator] if isinstance(estimator, str) else estimator
+    loo = spec.leave_one_out if leave_one_out is None else leave_one_out
+    std = spec.std_normalize if std_normalize is None else std_normalize
+    rewards, mask = rewards.double(), (mask != 0).double()
+    ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+    first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
+    group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long)  # [B] in [0, G)
+    eps = epsilon if spec.energy in ("proxy", "exact") else 0.0
+    lengths = mask.sum(dim=-1).long()  # [B]
+    counted = (lengths > 0).double() if multi_turn else torch.ones_like(rewards[:, 0])
+    v, W = energies(spec, mask, *(None if x is None else x.double() for x in (
+        old_log_probs, sum_pi_squared, grad_norms_sq, cumulative_energy, rollout_is_weights)))
+    G = returns_to_go(rewards, mask)  # [B, T]
+    R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
+    if spec.granularity == "sequence":
+        adv, ret = sequence_advantages(R, v, mask, group, counted, loo, eps), R[:, None] * mask
+    else:
+        tail = _zero_tail_from(lengths, group, counted) if handle_zero_tail else None
+        if multi_turn:  # align by generated-token rank: slot k holds each row's k-th token
+            slot = _rank_slots(mask)  # [B, T]
+            aligned = [torch.zeros_like(x).scatter_(1, slot.clamp(max=x.shape[1] - 1), x * mask) for x in (G, W, mask)]
+            adv_slots = token_advantages(*aligned, group, counted, loo, eps, tail)  # [B, T] in slots
+            adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
+        else:
+            adv = token_advantages(G, W, mask, group, counted, loo, eps, tail)
+        ret = G
+    return (std_scaled(adv, R, group, counted, epsilon) if std else adv), ret
+
+
+def std_scaled(adv, R, group, counted, epsilon: float) -> torch.Tensor:
+    """GRPO's ``A_i / (std_g(R) + ε)``, unbiased std over the group's counted rows; rows of groups of one (or
+    not counted) unchanged; 0 where ``std + ε = 0``. adv: [B, T]; R, group, counted: [B]."""
+    n = _group_size(group, counted)  # [B]
+    mean = group_mean(counted, R, group, False, 0.0)  # [B]
+    sum_sq = group_mean(counted, (R - mean).square(), group, False, 0.0) * n  # Σ_j (R_j − mean)²
+    sd = (sum_sq / (n - 1).clamp(min=1)).sqrt() + epsilon
+    scaled = torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 0.0)  # 1/(std + ε), or 0
+    return torch.where(((n >= 2) & (counted > 0))[:, None], adv * scaled[:, None], adv)

@@ -1,0 +1,51 @@
+"""otb_ref.spec (the readable form) equals compute_advantages (the fast path) for every estimator and flag."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from otb_ref import ESTIMATORS, compute_advantages, spec
+from strategies import rollout_batches
+
+pytestmark = pytest.mark.usefixtures("row_blocking")
+# Both fp64; they differ in summation order (blocked segment sums vs one index_add) and in where the
+# leave-one-out term is subtracted. Same bound as tests/test_advantages.py: 1e-16 / 6e-6 ≈ 2e-11 relative.
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)), st.booleans(), st.booleans(), st.booleans(),
+       st.booleans(), st.booleans(), st.sampled_from([0.0, 1e-8, 1e-4]))
+def test_spec_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, with_is, epsilon):
+    """Every estimator, every flag: the plain form and the fast path give the same advantages and returns."""
+    token = ESTIMATORS[name].granularity == "token"
+    flags = dict(leave_one_out=leave_one_out, std_normalize=std_normalize, epsilon=1e-4 if std_normalize else epsilon,
+                 multi_turn=multi_turn and token, handle_zero_tail=zero_tail and token)
+    inputs = dict(batch.inputs)
+    if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
+        inputs["rollout_is_weights"] = batch.rollout_is_weights
+    fast = compute_advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
+    plain = spec.advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
+    for got, want in zip(fast, plain):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_spec_returns_to_go_is_the_reverse_cumulative_sum():
+    """G_t = Σ_{k ≥ t} m_k r_k, holes included (a hole holds the reward still to come)."""
+    rewards = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    assert spec.returns_to_go(rewards, mask).tolist() == [[13.0, 12.0, 12.0, 8.0]]
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_spec_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
+    """Two responses tie for longest (3 tokens), one with a hole reaching position 3: no zero tail (not unique)."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    flags = dict(handle_zero_tail=True, leave_one_out=leave_one_out)
+    fast = compute_advantages("token_mean", rewards, mask, [0, 0, 0], **flags)
+    plain = spec.advantages("token_mean", rewards, mask, [0, 0, 0], **flags)
+    for got, want in zip(fast, plain):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if not leave_one_out:  # row 1 is alone at position 3: include-self baseline = its own G_3 = 2, unless zeroed
+        assert float(fast[0][1, 3]) == 0.0
