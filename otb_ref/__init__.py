@@ -1,9 +1,10 @@
 """otb_ref: reference implementation of the Optimal Token Baseline (OTB).
 
-The specification is THEORY.md (facts F1–F7). Pure functions on tensors:
+The specification is docs/THEORY.md (facts F1–F7). Pure functions on tensors:
 
 * :mod:`otb_ref.proxy` — the Logit-Gradient Proxy (F6).
-* :mod:`otb_ref.advantages` — the estimator family (§3, F7) and the
+* :mod:`otb_ref.spec` — the estimator family stated in plain vectorised torch (the form to read and port).
+* :mod:`otb_ref.advantages` — the estimator family (§3, F7), fast, and the
   verl-compatible OTB functions (§4).
 * :mod:`otb_ref.diagnostics` — forward-only variance metrics (§5).
 * :mod:`otb_ref.grad_norms` — every response's exact ``||S||²`` (the EOB's energy, F3) in one
