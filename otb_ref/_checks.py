@@ -149,3 +149,31 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.
         "index: expected a 1-D integer tensor, a numpy array or a list of ids, "
         f"got {type(index).__name__}"
     )
+
+
+def lm_batch_masks(
+    input_ids: torch.Tensor, response_mask: Any, attention_mask: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(response mask, attention mask or None)`` as bool ``[B, L]`` for a causal-LM batch ``input_ids [B, L]``.
+
+    Both masks must match ``input_ids`` in shape and device and be 0/1; the response mask's column 0 must be 0
+    (token 0 has no position that predicts it).
+    """
+    require_tensor("response_mask", response_mask)
+    if tuple(response_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"response_mask: shape {tuple(response_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    require_device("response_mask", response_mask, input_ids.device, "input_ids")
+    mask = binary_mask("response_mask", response_mask)  # [B, L] bool
+    if mask.shape[1] and bool(mask[:, 0].any()):
+        raise ValueError("response_mask: column 0 must be 0 (token 0 has no position that predicts it)")
+    if attention_mask is None:
+        return mask, None
+    require_tensor("attention_mask", attention_mask)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask: shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    require_device("attention_mask", attention_mask, input_ids.device, "input_ids")
+    return mask, binary_mask("attention_mask", attention_mask)  # [B, L] bool

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from otb_ref._checks import binary_mask, positive_scalar, require_device, require_tensor
+from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
 
 __all__ = ["row_grad_norms_sq", "sequence_grad_norms_sq"]
 
@@ -80,11 +80,11 @@ def sequence_grad_norms_sq(
     mask = _check_inputs(input_ids, response_mask, attention_mask)
     tau = positive_scalar("temperature", temperature)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    if _accepts(model, "use_cache"):
+    if accepts_keyword(model, "use_cache"):
         kwargs["use_cache"] = False
 
     def response_log_likelihood() -> torch.Tensor:  # [B]
-        logits = _logits_of(model(input_ids, **kwargs))  # [B, L, V]
+        logits = logits_of(model(input_ids, **kwargs))  # [B, L, V]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         z = logits[:, :-1].to(dtype) / tau  # [B, L-1, V]: position t - 1 predicts token t
         targets = input_ids[:, 1:].long()  # [B, L-1]
@@ -475,7 +475,8 @@ def _eval_mode(model: nn.Module):
             m.training = training
 
 
-def _logits_of(output) -> torch.Tensor:
+def logits_of(output) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, ``.logits``, or the first item of a tuple."""
     if isinstance(output, torch.Tensor):
         return output
     if hasattr(output, "logits"):
@@ -485,7 +486,8 @@ def _logits_of(output) -> torch.Tensor:
     raise ValueError(f"model: output of type {type(output).__name__} holds no logits")
 
 
-def _accepts(model: nn.Module, keyword: str) -> bool:
+def accepts_keyword(model: nn.Module, keyword: str) -> bool:
+    """Whether ``model.forward`` takes ``keyword`` (False when its signature cannot be read)."""
     try:
         return keyword in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -500,22 +502,4 @@ def _check_inputs(input_ids, response_mask, attention_mask) -> torch.Tensor:
     require_tensor("input_ids", input_ids)
     if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids: expected integer ids [B, L], got {input_ids.dtype} {tuple(input_ids.shape)}")
-    require_tensor("response_mask", response_mask)
-    if tuple(response_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"response_mask: shape {tuple(response_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
-        )
-    require_device("response_mask", response_mask, input_ids.device, "input_ids")
-    mask = binary_mask("response_mask", response_mask)
-    if mask.shape[1] and bool(mask[:, 0].any()):
-        raise ValueError("response_mask: column 0 must be 0 (token 0 has no position that predicts it)")
-    if attention_mask is not None:
-        require_tensor("attention_mask", attention_mask)
-        if tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attention_mask: shape {tuple(attention_mask.shape)} does not match input_ids "
-                f"{tuple(input_ids.shape)}"
-            )
-        require_device("attention_mask", attention_mask, input_ids.device, "input_ids")
-        binary_mask("attention_mask", attention_mask)
-    return mask
+    return lm_batch_masks(input_ids, response_mask, attention_mask)[0]

@@ -50,7 +50,7 @@ MUTATIONS = [
     # otb_ref/exact: moments, groups, policies.
     Mutation("M6g", "otb_ref/exact/groups.py", "variance=second_moment - float(mean @ mean)",
              "variance=second_moment", "group variance := second moment", "f7"),
-    Mutation("Mrtg", "otb_ref/exact/moments.py", "return (rewards * mask).flip(-1).cumsum(-1).flip(-1)",
+    Mutation("Mrtg", "otb_ref/spec.py", "return (rewards * mask).flip(-1).cumsum(-1).flip(-1)",
              "return (rewards * mask).cumsum(-1)", "returns-to-go summed forward (reward so far)", "f1"),
     Mutation("Mlen", "otb_ref/exact/moments.py", '"length": mask.cumsum(-1) * mask,', '"length": mask,',
              "population token_length: W_t = 1 instead of t", "f5"),

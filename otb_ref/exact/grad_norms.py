@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -85,7 +84,8 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.overrides import TorchFunctionMode
 
-from otb_ref._checks import binary_mask, positive_scalar, require_device, require_tensor
+from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
+from otb_ref.grad_norms import accepts_keyword, logits_of
 
 __all__ = ["sequence_grad_norms_sq", "prefix_grad_norms_sq"]
 
@@ -325,14 +325,7 @@ def _run_chunk(job: _Job, row_fn: Callable, rows: torch.Tensor, attn, lo: int, h
 
 
 def _logits_of(output: Any, length: int) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        logits = output
-    elif hasattr(output, "logits"):
-        logits = output.logits
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        logits = output[0]
-    else:
-        raise ValueError(f"model: output of type {type(output).__name__} holds no logits")
+    logits = logits_of(output)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, length):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"model: expected logits of shape (1, {length}, V) for one row, got {shape}")
@@ -361,26 +354,8 @@ def _prepare(model, input_ids, response_mask, attention_mask, temperature) -> _J
     if vocab is not None and input_ids.numel() and int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids: id {int(input_ids.max())} >= the model's vocabulary size {vocab}")
 
-    require_tensor("response_mask", response_mask)
-    if tuple(response_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"response_mask: shape {tuple(response_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
-        )
-    require_device("response_mask", response_mask, input_ids.device, "input_ids")
-    mask = binary_mask("response_mask", response_mask)  # [B, L] bool
-    if mask.shape[1] and bool(mask[:, 0].any()):
-        raise ValueError("response_mask: column 0 must be 0 (token 0 has no position that predicts it)")
-
-    attn = None
-    if attention_mask is not None:
-        require_tensor("attention_mask", attention_mask)
-        if tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attention_mask: shape {tuple(attention_mask.shape)} does not match input_ids "
-                f"{tuple(input_ids.shape)}"
-            )
-        require_device("attention_mask", attention_mask, input_ids.device, "input_ids")
-        attn = binary_mask("attention_mask", attention_mask)  # [B, L] bool
+    mask, attn = lm_batch_masks(input_ids, response_mask, attention_mask)  # [B, L] bool each (attn or None)
+    if attn is not None:
         predictor_real = torch.zeros_like(attn)
         predictor_real[:, 1:] = attn[:, :-1]  # [B, L]: position t − 1 is a real token
         bad = mask & ~(attn & predictor_real)
@@ -401,12 +376,8 @@ def _prepare(model, input_ids, response_mask, attention_mask, temperature) -> _J
     params = {name: p.detach() for name, p in work.named_parameters() if p.requires_grad}
     device = next(iter(params.values())).device
 
-    forward_kwargs = {}
-    try:
-        if "use_cache" in inspect.signature(work.forward).parameters:
-            forward_kwargs["use_cache"] = False  # no KV cache objects inside the transforms
-    except (TypeError, ValueError):
-        pass
+    # no KV cache objects inside the transforms
+    forward_kwargs = {"use_cache": False} if accepts_keyword(work, "use_cache") else {}
 
     return _Job(
         model=work,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from otb_ref.exact.policies import Enumeration
+from otb_ref.spec import returns_to_go  # G_t = Σ_{k≥t} m_k r_k, re-exported
 
 __all__ = [
     "Moments",
@@ -48,11 +49,6 @@ class Moments:
     @property
     def bias_norm(self) -> float:
         return float(self.bias.norm())
-
-
-def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``G_t = Σ_{k≥t} m_k r_k``: ``[M, L] -> [M, L]``."""
-    return (rewards * mask).flip(-1).cumsum(-1).flip(-1)
 
 
 def outcome_rewards(enum: Enumeration, outcome: torch.Tensor) -> torch.Tensor:
