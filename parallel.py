@@ -78,6 +78,21 @@ def init(device: str = "auto") -> Dist:
     return Dist(rank, world_size, local_rank, torch_device, mesh)
 
 
+def device_problem(device: str) -> str | None:
+    """Why this process cannot get a device of its own under ``device`` (``auto``, ``cpu``, ``cuda``), or None.
+
+    torchrun gives each process the GPU of its ``LOCAL_RANK``: more processes per node than visible GPUs
+    would otherwise fail later with CUDA's "invalid device ordinal".
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    visible = torch.cuda.device_count() if use_cuda else 0
+    if use_cuda and per_node > visible:
+        return (f"torchrun started {per_node} processes on this node but {visible} GPU(s) are visible: "
+                f"use --nproc_per_node={visible}, or --device cpu")
+    return None
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -138,6 +153,11 @@ def all_reduce(values: list[float] | torch.Tensor, op: str = "sum") -> torch.Ten
     tensor = tensor.to(backend_device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.cpu()
+
+
+def all_reduce_named(values: dict[str, float], op: str = "sum") -> dict[str, float]:
+    """Sum (or max) over ranks of each named float64 value: one collective for the whole record."""
+    return dict(zip(values, all_reduce(list(values.values()), op=op).tolist()))
 
 
 def any_rank(flag: bool) -> bool:
@@ -253,14 +273,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 class MetricsLog:
-    """``metrics.jsonl`` writer (a no-op off rank 0), optionally mirrored to TensorBoard.
+    """A JSONL writer of per-step records, ``metrics.jsonl`` by default (a no-op off rank 0), optionally
+    mirrored to TensorBoard.
 
     ``resume_step``: keep only lines with ``step <= resume_step`` (lines logged
     after the checkpoint that is being resumed are dropped); ``None`` starts a new file.
     """
 
-    def __init__(self, output_dir: Path, env: Dist, resume_step: int | None, tensorboard: bool = False) -> None:
-        self.path = Path(output_dir) / "metrics.jsonl"
+    def __init__(self, output_dir: Path, env: Dist, resume_step: int | None, tensorboard: bool = False,
+                 name: str = "metrics.jsonl") -> None:
+        self.path = Path(output_dir) / name
         self.enabled = env.is_main
         self.writer = None
         if not self.enabled:

@@ -4,11 +4,12 @@
     python train.py --estimator grpo --group-size 4   # any estimator of otb_ref.ESTIMATORS
     python train.py --long-horizon                    # copy task, responses of 64-512 tokens (GPU)
     torchrun --nproc_per_node=8 train.py --model /path/to/hf_model --data /path/train.jsonl --estimator otb
+    python train.py --output-dir runs/a --resume      # continue a run from its newest complete checkpoint
     python plot.py runs/a runs/b                      # reward vs tokens, grad norm vs step
 
-One step: sample prompts -> N responses each (KV cache, temperature, top-p, EOS) -> rewards ->
-forward-only old log-probs and sum_v pi_v^2 (otb_ref's chunked LM head) -> advantages (--estimator)
--> clipped policy-gradient loss, normalised by the global token count -> AdamW, warmup + cosine.
+One step, one function each: rollout (prompts -> N responses each, KV cache) -> score (rewards) ->
+advantages (old log-probs and sum_v pi_v^2 from otb_ref's chunked LM head, then --estimator) ->
+update (clipped policy-gradient loss / global token count, AdamW, warmup + cosine) -> log and checkpoint.
 Flags, recipes and measured numbers: docs/TRAINING.md.
 """
 
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,8 @@ import torch
 from torch import nn
 
 import parallel
-from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, row_grad_norms_sq, variance_proxy_metrics
+from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, row_grad_norms_sq
+from otb_ref import variance_proxy_metrics
 from otb_ref.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl_penalty
 from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_ref.static_decode import StaticKVDecoder, static_decode_unsupported
@@ -40,32 +43,39 @@ from otb_ref.tasks import SYNTHETIC_TASKS, CharTokenizer, Problem, math_reward, 
 # ----------------------------------------------------------------------------- config
 
 
-def _flag(default, help, choices=None, hidden=False):
-    return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
+def _flag(default, help, choices=None, hidden=False, nargs=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden, "nargs": nargs})
 
 
 @dataclass
 class Config:
-    steps: int = _flag(300, "RL steps (one batch of prompts each)")
+    """Every flag of train.py (``--steps`` is ``steps``); ``validate`` checks them all in one place."""
+
+    steps: int = _flag(300, "RL steps; with --token-budget, a cap on steps (default then 1000000)")
+    token_budget: int = _flag(0, "stop after this many generated tokens; the LR schedule runs on tokens (0: off)")
     seed: int = _flag(0, "seed of model init, prompt order and sampling")
-    output_dir: str = _flag("", "directory for metrics.jsonl and checkpoints (default: runs/<date-time>)")
-    resume: bool = _flag(False, "continue from the newest complete checkpoint in --output-dir (from step 0 if none)")
+    output_dir: str = _flag("", "directory for metrics.jsonl, samples.jsonl, config.json, checkpoints (default: runs/<date-time>)")
+    resume: bool = _flag(False, "continue the run in --output-dir from its newest complete checkpoint (from step 0 if none)")
     save_every: int = _flag(50, "checkpoint every this many steps (and after the last); 0: only after the last")
     keep_checkpoints: int = _flag(2, "complete checkpoints to keep (0: all)")
     model: str = _flag("", "local Hugging Face checkpoint directory (default: a tiny random-init Qwen2)")
-    data: str = _flag("", 'JSONL file of {"prompt": ..., "answer": ...} rows, math-answer reward (default: synthetic task)')
+    data: str = _flag("", 'JSONL file of {"prompt": ..., "answer": ...} rows, math-answer reward (default: synthetic)')
     task: str = _flag("copy", "built-in synthetic task when --data is not given", SYNTHETIC_TASKS)
+    copy_lengths: tuple[int, int] | None = _flag(None, "copy task: MIN MAX answer digits (default 1 4; 63 511 with --long-horizon)",
+                                                 nargs=2)
     long_horizon: bool = _flag(False, "copy task with 64-512 token responses and --max-new-tokens 512 (for GPUs)")
     hidden_size: int = _flag(64, "width of the built-in model")
     num_layers: int = _flag(2, "decoder layers of the built-in model")
     prompts_per_step: int = _flag(32, "prompts per step, over all ranks")
     group_size: int = _flag(8, "responses per prompt (N)")
-    max_new_tokens: int = _flag(8, "response length cap (default 512 with --long-horizon)")
+    max_new_tokens: int = _flag(8, "response length cap (default 1024 with --model, 512 with --long-horizon)")
     temperature: float = _flag(1.0, "sampling temperature (log-probs use the same temperature)")
     top_p: float = _flag(1.0, "nucleus sampling mass")
     estimator: str = _flag("otb", "advantage estimator", tuple(ESTIMATORS))
-    leave_one_out: bool = _flag(False, "leave-one-out baselines (unbiased; rloo has it by default)")
-    lr: float = _flag(1e-3, "peak learning rate (AdamW)")
+    leave_one_out: bool | None = _flag(None, "leave-one-out baselines (default: the estimator's; only rloo has them)")
+    std_normalize: bool | None = _flag(None, "divide advantages by the group's reward std (default: the estimator's; "
+                                             "only grpo does)")
+    lr: float = _flag(1e-3, "peak learning rate, AdamW (default 1e-6 with --model)")
     weight_decay: float = _flag(0.0, "AdamW weight decay")
     warmup_steps: int = _flag(5, "linear warmup, in optimizer steps")
     min_lr_ratio: float = _flag(0.1, "cosine decays the learning rate to this fraction of --lr")
@@ -77,20 +87,89 @@ class Config:
     kl_estimator: str = _flag("k3", "per-token KL estimator", KL_ESTIMATORS)
     mini_batches: int = _flag(1, "optimizer steps per RL step (the batch is split into this many)")
     epochs: int = _flag(1, "passes over the batch per RL step")
-    micro_batch_size: int = _flag(64, "responses per forward/backward on each rank (gradient accumulation)")
+    micro_batch_size: int = _flag(64, "responses per forward/backward on each rank (default 8 with --model)")
     device: str = _flag("auto", "auto: CUDA when available", ("auto", "cpu", "cuda"))
     mixed_precision: str = _flag("auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32"))
     activation_checkpointing: bool = _flag(False, "recompute decoder-layer activations in backward")
-    static_decode: bool = _flag(False, "generate with otb_ref.static_decode (static KV cache, CUDA graphs on GPU; Qwen2/Llama/Qwen3)")
+    static_decode: bool = _flag(False, "generate with otb_ref.static_decode (static KV cache, CUDA graphs on GPU)")
     logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
+    sample_every: int = _flag(10, "write prompts, responses and rewards to samples.jsonl every this many steps (0: never)")
+    num_samples: int = _flag(4, "responses written to samples.jsonl each time (one per prompt)")
     tensorboard: bool = _flag(False, "also write TensorBoard scalars (needs the tensorboard package)")
     debug_dump: str = _flag("", "write per-step advantages and rewards of each rank here", hidden=True)
     debug_nan_step: int = _flag(0, "make the loss NaN at this step (tests the skip)", hidden=True)
     debug_stop_after: int = _flag(0, "checkpoint and stop after this step, as if preempted (tests --resume)", hidden=True)
 
+    def apply_implied_defaults(self, given: set[str]) -> None:
+        """Defaults that depend on other flags, for the fields not given on the command line."""
+        implied = dict(REAL_MODEL_DEFAULTS) if self.model else {}
+        if self.long_horizon:
+            implied.update(task="copy", max_new_tokens=512)
+        if self.token_budget:
+            implied["steps"] = 1_000_000
+        for name, value in implied.items():
+            if name not in given:
+                setattr(self, name, value)
+        if self.copy_lengths is None:
+            self.copy_lengths = (63, 511) if self.long_horizon else (1, 4)
+        self.copy_lengths = tuple(self.copy_lengths)
+
+    def validate(self) -> None:
+        """Raise :class:`UserError` naming the first flag whose value is wrong (before anything is written)."""
+        low, high = self.copy_lengths
+        checks = [
+            (self.steps >= 1, "--steps must be >= 1"), (self.token_budget >= 0, "--token-budget must be >= 0"),
+            (self.group_size >= 1, "--group-size must be >= 1"), (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
+            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (self.temperature > 0, "--temperature must be > 0"),
+            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"), (self.lr > 0, "--lr must be > 0"),
+            (0 <= self.clip_low < 1, "--clip-low must be in [0, 1)"), (self.clip_high >= 0, "--clip-high must be >= 0"),
+            (self.kl_coef >= 0, "--kl-coef must be >= 0"), (self.grad_clip >= 0, "--grad-clip must be >= 0"),
+            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"), (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (self.mini_batches >= 1, "--mini-batches must be >= 1"), (self.epochs >= 1, "--epochs must be >= 1"),
+            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (self.save_every >= 0, "--save-every must be >= 0"),
+            (self.hidden_size >= 32 and self.hidden_size % 32 == 0, "--hidden-size must be a positive multiple of 32"),
+            (self.num_layers >= 1, "--num-layers must be >= 1"), (self.logprob_chunk_size >= 0, "--logprob-chunk-size must be >= 0"),
+            (1 <= low <= high, "--copy-lengths MIN MAX needs 1 <= MIN <= MAX"),
+            (self.sample_every >= 0, "--sample-every must be >= 0"), (self.num_samples >= 0, "--num-samples must be >= 0"),
+            (not (self.long_horizon and self.task != "copy"), "--long-horizon is the copy task: drop --task or --long-horizon"),
+            (not self.resume or self.output_dir, "--resume needs --output-dir (the run to continue)"),
+            (self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
+            (not self.tensorboard or importlib.util.find_spec("tensorboard"),
+             "--tensorboard needs the tensorboard package (pip install tensorboard)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        self._validate_paths()
+
+    def _validate_paths(self) -> None:
+        model = Path(self.model)
+        if self.model and not model.is_dir():
+            raise UserError(f"--model {self.model}: no such directory")
+        if self.model and not (model / "config.json").is_file():
+            raise UserError(f"--model {self.model}: no config.json (not a Hugging Face checkpoint directory)")
+        if self.model and not any((model / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"--model {self.model}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+        if self.data and not Path(self.data).is_file():
+            raise UserError(f"--data {self.data}: no such file")
+
+
+# Defaults for pretrained models (--model), unless the flag is given: a from-scratch learning rate and an
+# 8-token cap would wreck or silently truncate a real model (lr 1e-6 is the common choice for 0.5B-7B RL).
+REAL_MODEL_DEFAULTS = {"lr": 1e-6, "max_new_tokens": 1024, "micro_batch_size": 8}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Flags that define a run: --resume refuses to continue it if any of these differs from its config.json.
+# Every other flag (--steps, saving, logging, micro-batching, devices, decoding speed-ups) may change.
+RUN_DEFINING = (
+    "seed", "model", "data", "task", "copy_lengths", "long_horizon", "hidden_size", "num_layers", "prompts_per_step",
+    "group_size", "max_new_tokens", "temperature", "top_p", "estimator", "leave_one_out", "std_normalize", "lr",
+    "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "clip_low", "clip_high", "loss_agg", "kl_coef",
+    "kl_estimator", "mini_batches", "epochs", "token_budget", "mixed_precision",
+)
+
 
 class UserError(Exception):
-    """A mistake in flags or files: reported as one line, no traceback."""
+    """A mistake in flags or files: reported as one line, exit status 2, no traceback."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,45 +178,40 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_config(argv: list[str]) -> Config:
-    parser = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    """Flags -> a validated :class:`Config` (implied defaults applied to the flags not given)."""
+    parser = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False, argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Config):
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
-        help = meta["help"] if f.type == "bool" or "default" in meta["help"] else f"{meta['help']} (default: {f.default})"
-        help = argparse.SUPPRESS if meta["hidden"] else help
+        default = "" if f.type.startswith("bool") or "default" in meta["help"] else f" (default: {f.default})"
+        kwargs = dict(help=argparse.SUPPRESS if meta["hidden"] else meta["help"] + default)
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", help=help)
+            parser.add_argument(flag, action="store_true", **kwargs)
+        elif f.type.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type], default=f.default, choices=meta["choices"], help=help)
-    cfg = Config(**vars(parser.parse_args(argv)))
-    if cfg.long_horizon:
-        cfg.task = "copy"
-        cfg.max_new_tokens = cfg.max_new_tokens if any(a.startswith("--max-new-tokens") for a in argv) else 512
-    checks = [
-        (cfg.steps >= 1, "--steps must be >= 1"), (cfg.group_size >= 1, "--group-size must be >= 1"),
-        (cfg.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (cfg.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-        (cfg.temperature > 0, "--temperature must be > 0"), (0 < cfg.top_p <= 1, "--top-p must be in (0, 1]"),
-        (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.clip_low < 1, "--clip-low must be in [0, 1)"),
-        (cfg.clip_high >= 0, "--clip-high must be >= 0"), (cfg.kl_coef >= 0, "--kl-coef must be >= 0"),
-        (cfg.grad_clip >= 0, "--grad-clip must be >= 0"), (cfg.warmup_steps >= 0, "--warmup-steps must be >= 0"),
-        (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"), (cfg.mini_batches >= 1, "--mini-batches must be >= 1"),
-        (cfg.epochs >= 1, "--epochs must be >= 1"), (cfg.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-        (cfg.save_every >= 0, "--save-every must be >= 0"), (cfg.hidden_size >= 32 and cfg.hidden_size % 32 == 0, "--hidden-size must be a positive multiple of 32"),
-        (cfg.num_layers >= 1, "--num-layers must be >= 1"), (cfg.logprob_chunk_size >= 0, "--logprob-chunk-size must be >= 0"),
-        (not cfg.resume or cfg.output_dir, "--resume needs --output-dir (the run to continue)"),
-        (not cfg.model or Path(cfg.model).is_dir(), f"--model {cfg.model}: no such directory"),
-        (not cfg.model or (Path(cfg.model) / "config.json").is_file(), f"--model {cfg.model}: no config.json (not a Hugging Face checkpoint directory)"),
-        (not cfg.data or Path(cfg.data).is_file(), f"--data {cfg.data}: no such file"),
-        (cfg.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-        (not cfg.tensorboard or importlib.util.find_spec("tensorboard"), "--tensorboard needs the tensorboard package (pip install tensorboard)"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+            kind = {"float": float, "str": str}.get(f.type, int)
+            parser.add_argument(flag, type=kind, choices=meta["choices"], nargs=meta["nargs"], **kwargs)
+    given = vars(parser.parse_args(argv))
+    cfg = Config(**given)
+    cfg.apply_implied_defaults(set(given))
+    cfg.validate()
     return cfg
 
 
-def load_jsonl(path: str) -> list[Problem]:
-    problems = []
+def config_record(cfg: Config) -> dict:
+    """The configuration as JSON values (what config.json holds)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def describe(cfg: Config) -> str:
+    """The effective configuration, ``name=value`` wrapped to 118 columns (printed at start)."""
+    pairs = [f"{k}={v}" for k, v in config_record(cfg).items() if not k.startswith("debug_")]
+    return textwrap.fill(" ".join(pairs), width=118, initial_indent="config: ", subsequent_indent="  ")
+
+
+def load_jsonl(path: str) -> tuple[list[Problem], list[int]]:
+    """The rows of a ``--data`` file and their line numbers; malformed rows are a :class:`UserError`."""
+    problems, line_numbers = [], []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
@@ -155,12 +229,39 @@ def load_jsonl(path: str) -> list[Problem]:
         if not isinstance(row["prompt"], str) or not isinstance(row["answer"], (str, int, float)):
             raise UserError(f'{path}:{number}: "prompt" must be a string and "answer" a string or number')
         problems.append(Problem(row["prompt"], str(row["answer"])))
+        line_numbers.append(number)
     if not problems:
         raise UserError(f"{path}: no rows")
-    return problems
+    return problems, line_numbers
 
 
-# ----------------------------------------------------------------------------- setup
+def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
+    """The run's first configuration when ``--resume`` continues it, else None; refuses what cannot work.
+
+    A new run needs a directory without one; a resumed run must match its config.json on every RUN_DEFINING
+    flag (the differences are listed).
+    """
+    holds_run = (output_dir / "metrics.jsonl").exists() or (output_dir / "checkpoints").exists()
+    if not cfg.resume:
+        if holds_run:
+            raise UserError(f"--output-dir {output_dir} already holds a run: pass --resume to continue it, "
+                            "or choose another directory")
+        return None
+    config_file = output_dir / "config.json"
+    if not config_file.is_file():
+        if holds_run:
+            raise UserError(f"--resume: {output_dir} holds a run but no config.json to check the flags against")
+        return None
+    first = json.loads(config_file.read_text())
+    now = config_record(cfg)
+    changed = [f"--{k.replace('_', '-')} {first.get(k)!r} -> {now[k]!r}" for k in RUN_DEFINING if first.get(k) != now[k]]
+    if changed:
+        raise UserError(f"--resume: flags that define the run differ from {config_file}: {'; '.join(changed)} "
+                        "(start a new --output-dir to change them)")
+    return first
+
+
+# ----------------------------------------------------------------------------- model, tokenizer, prompts
 
 
 class Policy(nn.Module):
@@ -182,47 +283,66 @@ class Policy(nn.Module):
         if targets is None:
             return (out.last_hidden_state[:, -1] @ weight.T).float(), out.past_key_values
         hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
-        if full_logits:  # through the LM-head module, whose call otb_ref.row_grad_norms_sq records: [B, T, V] logits
+        if full_logits:  # through the LM-head module, whose call row_grad_norms_sq records: [B, T, V] logits
             z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
             return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1), None
-        log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(hidden, weight, targets, temperature=self.temperature, chunk_size=self.chunk_size)
+        log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(hidden, weight, targets, temperature=self.temperature,
+                                                                chunk_size=self.chunk_size)
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
 
 def build_model_and_tokenizer(cfg: Config):
+    """(causal LM in fp32, tokenizer, EOS ids, pad id): the built-in tiny Qwen2, or ``--model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     if not cfg.model:
-        tokenizer = CharTokenizer()
-        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
-                             num_hidden_layers=cfg.num_layers, num_attention_heads=max(1, cfg.hidden_size // 16),
-                             num_key_value_heads=max(1, cfg.hidden_size // 32), max_position_embeddings=2048,
+        tokenizer, width = CharTokenizer(), cfg.hidden_size
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width,
+                             num_hidden_layers=cfg.num_layers, num_attention_heads=max(1, width // 16),
+                             num_key_value_heads=max(1, width // 32), max_position_embeddings=2048,
                              tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
         torch.manual_seed(cfg.seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return lm, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         lm = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - any loading failure is the user's checkpoint
-        raise UserError(f"--model {cfg.model}: not a loadable Hugging Face checkpoint ({type(error).__name__}: {str(error).splitlines()[0]})") from None
-    head = lm.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None or getattr(lm.config, "final_logit_softcapping", None) \
-            or getattr(lm.config, "logit_scale", None) not in (None, 1.0):
-        raise UserError(f"--model {cfg.model}: unsupported LM head (logits must be hidden @ W.T: no bias, soft-capping or scaling)")
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise UserError(f"--model {cfg.model}: not a loadable Hugging Face checkpoint ({reason})") from None
+    head, config = lm.get_output_embeddings(), lm.config
+    if head is None or getattr(head, "bias", None) is not None or getattr(config, "final_logit_softcapping", None) \
+            or getattr(config, "logit_scale", None) not in (None, 1.0):
+        raise UserError(f"--model {cfg.model}: unsupported LM head (logits must be hidden @ W.T: "
+                        "no bias, soft-capping or scaling)")
     eos = lm.generation_config.eos_token_id if lm.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     eos = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
     if not eos:
-        raise UserError(f"--model {cfg.model}: the tokenizer has no EOS token")
+        raise UserError(f"--model {cfg.model}: neither the tokenizer nor generation_config.json names an EOS token")
     return lm, tokenizer, eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Prompt ids: the chat template with a generation prompt when the tokenizer has one."""
     if isinstance(tokenizer, CharTokenizer):
         return tokenizer.encode(prompt)
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt)["input_ids"]
+
+
+def check_prompts(cfg: Config, data: list[Problem], line_numbers: list[int], tokenizer) -> None:
+    """Every ``--data`` prompt encodes to at least one token the model knows."""
+    for problem, number in zip(data, line_numbers):
+        try:
+            ids = encode_prompt(tokenizer, problem.prompt)
+        except ValueError as error:
+            hint = "; pass --model with its own tokenizer" if isinstance(tokenizer, CharTokenizer) else ""
+            raise UserError(f"--data {cfg.data}:{number}: the prompt cannot be encoded ({error}){hint}") from None
+        if not ids:
+            raise UserError(f"--data {cfg.data}:{number}: the prompt encodes to no tokens with this tokenizer")
 
 
 @functools.lru_cache(maxsize=2)
@@ -234,9 +354,17 @@ def problem_at(cfg: Config, data: list[Problem] | None, position: int) -> Proble
     """Problem number ``position`` of the run's stream (a pure function of seed and position, so a
     resumed run continues where it stopped): synthetic, or the data in a new shuffled order each epoch."""
     if data is None:
-        return synthetic_problem(cfg.task, cfg.seed, position, copy_lengths=(63, 511) if cfg.long_horizon else (1, 4))
+        return synthetic_problem(cfg.task, cfg.seed, position, copy_lengths=cfg.copy_lengths)
     epoch, offset = divmod(position, len(data))
     return data[_epoch_order(cfg.seed, epoch, len(data))[offset]]
+
+
+def local_prompt_positions(cfg: Config, env: parallel.Dist) -> list[int]:
+    """This rank's prompts within the step, ordered by mini-batch: mini-batch k holds the same
+    global prompts for any world size (rank r takes the r-th slice of each)."""
+    per_mini = cfg.prompts_per_step // cfg.mini_batches
+    per_rank = per_mini // env.world_size
+    return [k * per_mini + env.rank * per_rank + i for k in range(cfg.mini_batches) for i in range(per_rank)]
 
 
 def exact_energies(estimator: str, lm: nn.Module, sequences, attention, mask, temperature: float) -> dict[str, torch.Tensor]:
@@ -249,7 +377,8 @@ def exact_energies(estimator: str, lm: nn.Module, sequences, attention, mask, te
 
     num_prompt = sequences.shape[1] - mask.shape[1]
     left_pad = (~attention[:, :num_prompt]).sum(dim=1, keepdim=True)  # [B, 1]
-    index = (torch.arange(sequences.shape[1], device=sequences.device) + left_pad) % sequences.shape[1]  # rotated[:, i] = row[:, index[:, i]]
+    length = sequences.shape[1]
+    index = (torch.arange(length, device=sequences.device) + left_pad) % length  # rotated[:, i] = row[:, index[:, i]]
     response = torch.cat([torch.zeros_like(attention[:, :num_prompt]), mask], dim=1)
     args = [lm] + [x.gather(1, index).long() for x in (sequences, response, attention)]
     if ESTIMATORS[estimator].granularity == "sequence":
@@ -268,216 +397,437 @@ def sequence_norms(policy: nn.Module, sequences, attention, positions, response_
     return row_grad_norms_sq(policy, log_likelihood)
 
 
-def local_prompt_positions(cfg: Config, env: parallel.Dist) -> list[int]:
-    """This rank's prompts within the step, ordered by mini-batch: mini-batch k holds the same
-    global prompts for any world size (rank r takes the r-th slice of each)."""
-    per_mini = cfg.prompts_per_step // cfg.mini_batches
-    per_rank = per_mini // env.world_size
-    return [k * per_mini + env.rank * per_rank + i for k in range(cfg.mini_batches) for i in range(per_rank)]
+# ----------------------------------------------------------------------------- what the phases share
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    data = load_jsonl(cfg.data) if cfg.data else None
-    env = parallel.init(cfg.device)
-    try:
-        train(cfg, data, env)
-    finally:
-        parallel.shutdown()
+@dataclass
+class Run:
+    """The configuration, this rank and the models: everything a phase reads besides the batch."""
+
+    cfg: Config
+    env: parallel.Dist
+    output_dir: Path
+    data: list[Problem] | None
+    tokenizer: object
+    eos_ids: list[int]
+    pad_id: int
+    policy: nn.Module  # FSDP2-sharded Policy
+    reference: nn.Module | None  # frozen initial policy (--kl-coef > 0)
+    exact_lm: nn.Module | None  # unsharded copy for otb_ref.exact (--estimator otb_exact)
+    optimizer: torch.optim.Optimizer
+    schedule_steps: int  # the LR schedule's horizon: --steps of the run's first start
+    prompt_positions: list[int]  # this rank's prompts within a step
+    global_rows: torch.Tensor  # [B] this rank's rows of the step's global batch
+    micro: list[slice]  # micro-batches of this rank's rows; none straddles a mini-batch
+    metrics_log: parallel.MetricsLog | None = None
+    samples_log: parallel.MetricsLog | None = None
+    progress: object = None
+    last_truncation_warning: int = -(10**9)
 
 
-def train(cfg: Config, data: list[Problem] | None, env: parallel.Dist) -> None:
-    from tqdm import tqdm
+@dataclass
+class Batch:
+    """One step's rows on this rank, filled phase by phase. B rows (prompts x N), P prompt + T response columns."""
 
+    problems: list[Problem]  # this rank's prompts, one per group
+    group: torch.Tensor  # [B] prompt index of each row; equal ids form a group
+    sequences: torch.Tensor  # [B, P+T] left-padded prompt, then the response
+    attention: torch.Tensor  # [B, P+T] bool
+    positions: torch.Tensor  # [B, P+T] position ids
+    response_ids: torch.Tensor  # [B, T], pad after EOS
+    mask: torch.Tensor  # [B, T] bool, True on generated tokens (EOS included)
+    finished: torch.Tensor  # [B] bool, the response ended with EOS
+    texts: list[str] = field(default_factory=list)  # score: B decoded responses
+    scores: torch.Tensor | None = None  # score: [B] outcome rewards
+    rewards: torch.Tensor | None = None  # score: [B, T] the outcome reward on the last response token
+    old_log_probs: torch.Tensor | None = None  # logprobs: [B, T] log pi_old(y_t)
+    sum_pi_sq: torch.Tensor | None = None  # logprobs: [B, T] sum_v pi_old(v)^2
+    ref_log_probs: torch.Tensor | None = None  # logprobs: [B, T] log pi_ref(y_t) (--kl-coef > 0)
+    advantages: torch.Tensor | None = None  # advantages: [B, T]
+    proxy: dict[str, float] = field(default_factory=dict)  # advantages: otb_ref.variance_proxy_metrics
+
+
+# ----------------------------------------------------------------------------- the phases of one step
+
+
+def rollout(run: Run, step: int, data_position: int) -> Batch:
+    """Take the step's prompts from the stream and sample --group-size responses to each (KV cache)."""
+    cfg, env, n = run.cfg, run.env, run.cfg.group_size
+    problems = [problem_at(cfg, run.data, data_position + p) for p in range(cfg.prompts_per_step)]
+    encoded = [encode_prompt(run.tokenizer, problem.prompt) for problem in problems]
+    width = max(len(ids) for ids in encoded)  # pad to the GLOBAL longest: the same layout on any world size
+    rows = [encoded[p] for p in run.prompt_positions for _ in range(n)]
+    prompt_ids = torch.tensor([[run.pad_id] * (width - len(ids)) + ids for ids in rows], device=env.device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=env.device)
+    uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[run.global_rows]
+    with parallel.gathered_for_generation(run.policy):
+        decoder = StaticKVDecoder(run.policy, run.policy.lm, cfg.max_new_tokens) if cfg.static_decode else run.policy
+        out = generate(decoder, prompt_ids, prompt_mask, uniforms.to(env.device), eos_token_ids=run.eos_ids,
+                       pad_token_id=run.pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                       top_p=cfg.top_p, keep_going=parallel.any_rank)
+    attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
+    return Batch(problems=[problems[p] for p in run.prompt_positions],
+                 group=torch.tensor([p for p in run.prompt_positions for _ in range(n)], device=env.device),
+                 sequences=torch.cat([prompt_ids, out.response_ids], dim=1), attention=attention,
+                 positions=position_ids_from_mask(attention), response_ids=out.response_ids,
+                 mask=out.response_mask, finished=out.finished)
+
+
+def score(run: Run, batch: Batch) -> None:
+    """Decode the responses and reward them: the synthetic task's reward, or the math verifier for --data."""
+    cfg, n = run.cfg, run.cfg.group_size
+    lengths = batch.mask.sum(dim=1)  # [B] >= 1
+    rows = zip(batch.response_ids.cpu(), lengths.cpu())
+    batch.texts = [run.tokenizer.decode(row[: int(length)].tolist(), skip_special_tokens=True) for row, length in rows]
+    answers = [problem.answer for problem in batch.problems for _ in range(n)]
+    if run.data is None:
+        finished = batch.finished.cpu().tolist()
+        scores = [synthetic_reward(cfg.task, *row) for row in zip(batch.texts, answers, finished)]
+    else:
+        scores = [math_reward(text, answer) for text, answer in zip(batch.texts, answers)]
+    batch.scores = torch.tensor(scores, dtype=torch.float32, device=run.env.device)
+    rewards = torch.zeros(batch.mask.shape, dtype=torch.float32, device=run.env.device)
+    batch.rewards = rewards.scatter_(1, (lengths - 1)[:, None], batch.scores[:, None])
+
+
+def old_log_probs(run: Run, batch: Batch) -> None:
+    """Forward only, micro-batch by micro-batch: log pi_old(y_t) and sum_v pi_old(v)^2 (and log pi_ref(y_t))."""
+    shape, device = batch.mask.shape, run.env.device
+    batch.old_log_probs, batch.sum_pi_sq = torch.empty(shape, device=device), torch.empty(shape, device=device)
+    batch.ref_log_probs = torch.empty(shape, device=device) if run.reference is not None else None
+    with torch.no_grad():
+        for rows in run.micro:
+            args = (batch.sequences[rows], batch.attention[rows], batch.positions[rows])
+            batch.old_log_probs[rows], batch.sum_pi_sq[rows] = run.policy(*args, targets=batch.response_ids[rows])
+            if run.reference is not None:
+                batch.ref_log_probs[rows] = run.reference(*args, targets=batch.response_ids[rows])[0]
+
+
+def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
+    """otb_ref.compute_advantages(--estimator), with exact gradient energies for eob and otb_exact."""
+    cfg, b = run.cfg, batch
+    energies = {}
+    if cfg.estimator == "eob":  # ||S||^2 of every response, micro-batch by micro-batch; no .grad is touched
+        norms = [sequence_norms(run.policy, b.sequences[r], b.attention[r], b.positions[r], b.response_ids[r], b.mask[r])
+                 for r in run.micro]
+        energies["grad_norms_sq"] = torch.cat(norms)
+    if run.exact_lm is not None:  # the full parameters every step (one all-gather of the whole model: small models)
+        full = parallel.full_model_state_dict(run.policy)
+        run.exact_lm.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+        energies = exact_energies(cfg.estimator, run.exact_lm, b.sequences, b.attention, b.mask, cfg.temperature)
+    b.advantages, _ = compute_advantages(cfg.estimator, b.rewards, b.mask, b.group, old_log_probs=b.old_log_probs,
+                                         sum_pi_squared=b.sum_pi_sq, leave_one_out=cfg.leave_one_out,
+                                         std_normalize=cfg.std_normalize, **energies)
+    b.proxy = variance_proxy_metrics(b.advantages, b.mask, b.old_log_probs, b.sum_pi_sq)
+    if cfg.debug_dump:
+        Path(cfg.debug_dump).mkdir(parents=True, exist_ok=True)
+        dump = {"rows": run.global_rows, "advantages": b.advantages.cpu(), "rewards": b.scores.cpu(),
+                "response_ids": b.response_ids.cpu()}
+        torch.save(dump, Path(cfg.debug_dump) / f"step{step}_rank{run.env.rank}.pt")
+
+
+def learning_rate(cfg: Config, updates_done: int, tokens: int, schedule_steps: int) -> float:
+    """Linear warmup over --warmup-steps optimizer steps, then a cosine from --lr down to --min-lr-ratio x --lr.
+
+    Cosine progress: generated tokens before this step / --token-budget; without a budget, optimizer steps /
+    (schedule_steps x updates per step), where schedule_steps is --steps of the run's FIRST start. A resumed
+    run with a larger --steps therefore keeps its schedule and runs the extra steps at --min-lr-ratio x --lr.
+    """
+    if updates_done < cfg.warmup_steps:
+        return cfg.lr * ((updates_done + 1) / (cfg.warmup_steps + 1))
+    if cfg.token_budget:
+        progress = tokens / cfg.token_budget
+    else:
+        total = schedule_steps * cfg.mini_batches * cfg.epochs
+        progress = (updates_done - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def accumulate_gradients(run: Run, batch: Batch, mini: slice, step: int) -> dict[str, float]:
+    """Backward of one mini-batch's loss, micro-batch by micro-batch; returns this rank's named sums.
+
+    Each micro-batch's loss is its share of the mini-batch loss, normalised by GLOBAL token and sequence
+    counts, and FSDP sums (not averages) gradients over ranks: any rank/micro-batch split gives one gradient.
+    """
+    cfg, b = run.cfg, batch
+    global_tokens = float(parallel.all_reduce([float(b.mask[mini].sum())])[0])
+    norm = dict(global_tokens=global_tokens, global_sequences=(mini.stop - mini.start) * run.env.world_size)
+    sums = dict.fromkeys(("loss", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
+    for rows in (r for r in run.micro if mini.start <= r.start < mini.stop):
+        log_probs, _ = run.policy(b.sequences[rows], b.attention[rows], b.positions[rows], targets=b.response_ids[rows])
+        loss, stats = clipped_policy_loss(log_probs, b.old_log_probs[rows], b.advantages[rows], b.mask[rows],
+                                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.loss_agg, **norm)
+        if run.reference is not None:
+            kl = kl_penalty(log_probs, b.ref_log_probs[rows], cfg.kl_estimator)
+            loss = loss + cfg.kl_coef * aggregate(kl, b.mask[rows], cfg.loss_agg, **norm)
+            sums["kl_ref"] += float(aggregate(kl.detach(), b.mask[rows], "token-mean", **norm))
+        if step == cfg.debug_nan_step:
+            loss = loss * float("nan")
+        loss.backward()
+        sums["loss"] += float(loss.detach())
+        sums["clip_fraction"] += float(stats["clipped_tokens"]) / global_tokens
+        sums["approx_kl"] += float(stats["approx_kl_sum"]) / global_tokens
+    return sums
+
+
+def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
+    """--epochs passes of --mini-batches optimizer steps; returns the named means over those updates.
+
+    A non-finite loss or gradient norm skips the optimizer step on every rank (all see the same global values).
+    """
+    cfg, optimizer = run.cfg, run.optimizer
+    rows_per_mini, updates = len(run.global_rows) // cfg.mini_batches, cfg.mini_batches * cfg.epochs
+    totals = dict.fromkeys(("loss", "grad_norm", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
+    skipped, lr = 0, cfg.lr
+    for _ in range(cfg.epochs):
+        for k in range(cfg.mini_batches):
+            lr = learning_rate(cfg, state["updates"], state["tokens"], run.schedule_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            sums = parallel.all_reduce_named(accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini), step))
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), max_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # global
+            if math.isfinite(grad_norm) and math.isfinite(sums["loss"]):
+                optimizer.step()
+            else:
+                skipped += 1
+                if run.env.is_main:
+                    run.progress.write(f"step {step}: non-finite loss ({sums['loss']}) or gradient norm ({grad_norm}); "
+                                       "update skipped", file=sys.stderr)
+            optimizer.zero_grad(set_to_none=True)
+            state["updates"] += 1
+            for key, value in (*sums.items(), ("grad_norm", grad_norm)):
+                totals[key] += value
+    return {**{key: value / updates for key, value in totals.items()}, "skipped": skipped, "lr": lr}
+
+
+def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, state: dict) -> dict:
+    """The step's metrics over all ranks, as a named record (one line of metrics.jsonl); ``state`` is the
+    trainer state before this step (its token and skip counters are carried forward)."""
+    cfg, env, b, n = run.cfg, run.env, batch, run.cfg.group_size
+    lengths, count = b.mask.sum(dim=1), cfg.prompts_per_step * n
+    group_scores = b.scores.view(-1, n)  # rows are prompt-major: N consecutive rows per prompt
+    local = {
+        "reward": float(b.scores.sum()), "reward_sq": float(b.scores.square().sum()), "tokens": float(lengths.sum()),
+        "truncated": float((~b.finished).sum()),
+        "zero_variance_groups": float((group_scores.amax(dim=1) == group_scores.amin(dim=1)).sum()),
+        "neg_log_prob": float(torch.where(b.mask, -b.old_log_probs, 0.0).sum()),  # sampled-token entropy estimate
+        "neg_log_sum_pi_sq": float(torch.where(b.mask, -b.sum_pi_sq.log(), 0.0).sum()),  # Renyi-2 entropy
+        **{key: b.proxy[f"variance_proxy/{key}"] for key in ("proxy2_total_power", "expected_a_squared", "expected_w")},
+    }
+    total = parallel.all_reduce_named(local)
+    generated, reward_mean = total["tokens"], total["reward"] / count
+    power, grad_norm = total["proxy2_total_power"] / env.world_size, stats["grad_norm"]  # ranks: equal row counts
+    return {
+        "step": step, "tokens": state["tokens"] + int(generated), "generated_tokens": int(generated),
+        "reward_mean": reward_mean, "reward_std": math.sqrt(max(0.0, total["reward_sq"] / count - reward_mean**2)),
+        "response_length_mean": generated / count,
+        "response_length_max": int(parallel.all_reduce([float(lengths.max())], op="max")[0]),
+        "truncated_fraction": total["truncated"] / count,
+        "zero_variance_group_fraction": total["zero_variance_groups"] / cfg.prompts_per_step,
+        "entropy": total["neg_log_prob"] / generated, "entropy_renyi2": total["neg_log_sum_pi_sq"] / generated,
+        "loss": stats["loss"], "grad_norm": grad_norm, "lr": stats["lr"], "clip_fraction": stats["clip_fraction"],
+        "approx_kl": stats["approx_kl"], "skipped": stats["skipped"],
+        "skipped_total": state["skipped_total"] + stats["skipped"],
+        # THEORY §5 over the global batch: signal = ||g||², total power P, noise = (P - signal) / (B - 1).
+        "variance_proxy/proxy1_signal_strength": grad_norm**2, "variance_proxy/proxy2_total_power": power,
+        "variance_proxy/proxy3_pure_noise": max(0.0, (power - grad_norm**2) / (count - 1)) if count > 1 else 0.0,
+        "variance_proxy/expected_a_squared": total["expected_a_squared"] / env.world_size,
+        "variance_proxy/expected_w": total["expected_w"] / env.world_size,
+        **({"kl_ref": stats["kl_ref"]} if run.reference is not None else {}),
+    }
+
+
+def add_timings(record: dict, times: dict[str, float], epochs: int) -> None:
+    """Wall-clock seconds per phase and throughputs (the only non-deterministic fields of a record)."""
+    phases = list(times)
+    for before, after in zip(phases, phases[1:]):
+        record[f"time/{after}"] = times[after] - times[before]
+    record["time/step"] = times[phases[-1]] - times[phases[0]]
+    record["throughput/generation_tokens_per_s"] = record["generated_tokens"] / record["time/rollout"]
+    record["throughput/update_tokens_per_s"] = record["generated_tokens"] * epochs / record["time/update"]
+
+
+def write_samples(run: Run, batch: Batch, step: int) -> None:
+    """The first response to each of this rank's first --num-samples prompts, into samples.jsonl."""
+    n = run.cfg.group_size
+    for p, problem in enumerate(batch.problems[: run.cfg.num_samples]):
+        row = p * n
+        run.samples_log.write({"step": step, "prompt": problem.prompt, "answer": problem.answer,
+                               "response": batch.texts[row], "reward": float(batch.scores[row]),
+                               "finished": bool(batch.finished[row]), "length": int(batch.mask[row].sum())})
+
+
+def report(run: Run, record: dict) -> None:
+    """Progress bar, and a warning (at most every 20 steps) when most responses hit --max-new-tokens."""
+    step = record["step"]
+    if record["truncated_fraction"] > 0.5 and step - run.last_truncation_warning >= 20 and run.env.is_main:
+        run.last_truncation_warning = step
+        run.progress.write(f"step {step}: {record['truncated_fraction']:.0%} of responses hit --max-new-tokens "
+                           f"{run.cfg.max_new_tokens} without EOS; raise it if answers are being cut", file=sys.stderr)
+    run.progress.set_postfix(reward=f"{record['reward_mean']:.2f}", len=f"{record['response_length_mean']:.1f}",
+                             refresh=False)
+    run.progress.update(record["generated_tokens"] if run.cfg.token_budget else 1)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def shard_policy(cfg: Config, lm: nn.Module, env: parallel.Dist, bf16: bool, checkpointing: bool) -> nn.Module:
+    """FSDP2 over the decoder layers, then the Policy root; fully_shard moves each unit to the device."""
+    layers = [m for m in lm.modules() if type(m).__name__ in (getattr(lm, "_no_split_modules", None) or ())]
+    policy = Policy(lm, cfg.temperature, cfg.logprob_chunk_size or None)
+    return parallel.shard(policy, layers, env, bf16=bf16, activation_checkpointing=checkpointing)
+
+
+def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> tuple[Run, dict | None]:
+    """Every check that can fail, then the models, optimizer and row layout; writes nothing.
+    Returns the run and the first start's configuration (None for a new run)."""
     if cfg.prompts_per_step % (env.world_size * cfg.mini_batches):
-        raise UserError(f"--prompts-per-step ({cfg.prompts_per_step}) must be divisible by the number of ranks ({env.world_size}) times --mini-batches ({cfg.mini_batches})")
-    output_dir = Path(cfg.output_dir or parallel.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S")))
-    if not cfg.resume and ((output_dir / "metrics.jsonl").exists() or (output_dir / "checkpoints").exists()):
-        raise UserError(f"--output-dir {output_dir} already holds a run: pass --resume to continue it, or choose another directory")
+        raise UserError(f"--prompts-per-step ({cfg.prompts_per_step}) must be divisible by the number of ranks "
+                        f"({env.world_size}) times --mini-batches ({cfg.mini_batches})")
+    cfg.output_dir = cfg.output_dir or parallel.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
+    first = check_run_directory(cfg, Path(cfg.output_dir))
     parallel.barrier()  # every rank has looked before rank 0 writes anything there
     lm, tokenizer, eos_ids, pad_id = build_model_and_tokenizer(cfg)
+    if data is not None:
+        check_prompts(cfg, data, line_numbers, tokenizer)
+    if cfg.static_decode and (why := static_decode_unsupported(lm)):
+        raise UserError(f"--static-decode: {why}")
     lm.eval()  # no dropout in RL: generation, old log-probs and the loss see the same function
-    on_gpu = env.device.type == "cuda"
-    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and on_gpu)
+    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and env.device.type == "cuda")
     # "otb_exact" needs ||S_t||^2 at every token: otb_ref.exact on a full copy (small models only). "eob" needs
     # ||S||^2 per response: one forward + backward of the sharded policy itself (otb_ref.row_grad_norms_sq).
     exact_lm = copy.deepcopy(lm).to(env.device) if cfg.estimator == "otb_exact" else None
     ref_lm = copy.deepcopy(lm).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen initial policy
-    chunk = cfg.logprob_chunk_size or None
-
-    def sharded(model: nn.Module, checkpointing: bool) -> nn.Module:
-        layers = [m for m in model.modules() if type(m).__name__ in (getattr(model, "_no_split_modules", None) or ())]
-        # fully_shard moves each unit to the device as it shards it: no full copy of the model on one GPU.
-        return parallel.shard(Policy(model, cfg.temperature, chunk), layers, env, bf16=bf16, activation_checkpointing=checkpointing)
-
-    if cfg.static_decode and (why := static_decode_unsupported(lm)):
-        raise UserError(f"--static-decode: {why}")
-    policy = sharded(lm, cfg.activation_checkpointing)
-    reference = sharded(ref_lm, False) if ref_lm is not None else None
+    policy = shard_policy(cfg, lm, env, bf16, cfg.activation_checkpointing)
+    reference = shard_policy(cfg, ref_lm, env, bf16, False) if ref_lm is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
-    total_updates = cfg.steps * cfg.mini_batches * cfg.epochs
+    positions, n = local_prompt_positions(cfg, env), cfg.group_size
+    rows_per_mini = len(positions) * n // cfg.mini_batches
+    micro = [slice(start, min(start + cfg.micro_batch_size, (k + 1) * rows_per_mini))
+             for k in range(cfg.mini_batches) for start in range(k * rows_per_mini, (k + 1) * rows_per_mini, cfg.micro_batch_size)]
+    run = Run(cfg=cfg, env=env, output_dir=Path(cfg.output_dir), data=data, tokenizer=tokenizer, eos_ids=eos_ids,
+              pad_id=pad_id, policy=policy, reference=reference, exact_lm=exact_lm, optimizer=optimizer,
+              schedule_steps=first["steps"] if first else cfg.steps, prompt_positions=positions,
+              global_rows=torch.tensor([p * n + i for p in positions for i in range(n)]), micro=micro)
+    return run, first
 
-    def lr_factor(update: int) -> float:  # linear warmup, then cosine to min_lr_ratio
-        if update < cfg.warmup_steps:
-            return (update + 1) / (cfg.warmup_steps + 1)
-        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    state = {"step": 0, "tokens": 0, "skipped_total": 0, "data_position": 0, "scheduler": scheduler.state_dict()}
-    latest = parallel.latest_checkpoint(output_dir) if cfg.resume else None
+def restore(run: Run) -> tuple[dict, Path | None]:
+    """The trainer state: fresh, or (--resume) loaded with the model and optimizer from the newest complete checkpoint."""
+    state = {"step": 0, "tokens": 0, "skipped_total": 0, "data_position": 0, "updates": 0}
+    latest = parallel.latest_checkpoint(run.output_dir) if run.cfg.resume else None
     if latest is not None:
-        state = parallel.load_checkpoint(latest, policy, optimizer, state, env)
-        scheduler.load_state_dict(state["scheduler"])
+        state = parallel.load_checkpoint(latest, run.policy, run.optimizer, state, run.env)
+    return state, latest
+
+
+def finished(cfg: Config, state: dict) -> bool:
+    return state["step"] >= cfg.steps or bool(cfg.token_budget and state["tokens"] >= cfg.token_budget)
+
+
+def start_logs(run: Run, first: dict | None, state: dict, latest: Path | None) -> None:
+    """config.json (written once, at the first start), config_history.jsonl (every start), the logs; says what runs."""
+    cfg, env, out = run.cfg, run.env, run.output_dir
+    now = config_record(cfg)
     if env.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-        print(f"run {output_dir}: {env.world_size} rank(s) on {env.device}, estimator {cfg.estimator}, "
-              + (f"resumed from {latest.name}" if latest else "from scratch" + (" (no complete checkpoint found)" if cfg.resume else "")), file=sys.stderr)
-    log = parallel.MetricsLog(output_dir, env, resume_step=state["step"] if cfg.resume else None, tensorboard=cfg.tensorboard)
-    prompt_positions = local_prompt_positions(cfg, env)
-    n = cfg.group_size
-    global_rows = torch.tensor([p * n + i for p in prompt_positions for i in range(n)])  # this rank's rows of the global batch
-    rows_per_mini = len(global_rows) // cfg.mini_batches
-    progress = tqdm(total=cfg.steps, initial=state["step"], disable=not env.is_main, desc="train", dynamic_ncols=True)
+        out.mkdir(parents=True, exist_ok=True)
+        if first is None:
+            (out / "config.json").write_text(json.dumps(now, indent=1))
+        changed = {k: [v, now[k]] for k, v in (first or now).items() if now.get(k) != v and k != "resume"}
+        with open(out / "config_history.jsonl", "a") as file:
+            file.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": state["step"],
+                                   "changed": changed, "config": now}) + "\n")
+        how = f"resumed from {latest.name}" if latest else "from scratch"
+        how += " (no complete checkpoint found)" if cfg.resume and not latest else ""
+        print(f"run {out}: {env.world_size} rank(s) on {env.device}, estimator {cfg.estimator}, {how}", file=sys.stderr)
+        print(describe(cfg), file=sys.stderr)
+        if first and cfg.steps > run.schedule_steps and not cfg.token_budget:
+            print(f"--steps {cfg.steps} extends the run past its first --steps {run.schedule_steps}: the learning-rate "
+                  f"schedule keeps that horizon, so steps {run.schedule_steps + 1}-{cfg.steps} run at "
+                  f"--min-lr-ratio x --lr = {cfg.min_lr_ratio * cfg.lr:.3g}", file=sys.stderr)
+    resume_step = state["step"] if cfg.resume else None
+    run.metrics_log = parallel.MetricsLog(out, env, resume_step=resume_step, tensorboard=cfg.tensorboard)
+    run.samples_log = parallel.MetricsLog(out, env, resume_step=resume_step, name="samples.jsonl")
 
-    def sync():
-        if on_gpu:
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
-    for step in range(state["step"] + 1, cfg.steps + 1):
-        # ------------------------------------------------------------------------- rollout
-        t0 = sync()
-        problems = [problem_at(cfg, data, state["data_position"] + p) for p in range(cfg.prompts_per_step)]
-        encoded = [encode_prompt(tokenizer, problem.prompt) for problem in problems]
-        prompt_len = max(len(ids) for ids in encoded)  # pad to the GLOBAL longest: the same layout on any world size
-        prompt_ids = torch.tensor([[pad_id] * (prompt_len - len(encoded[p])) + encoded[p] for p in prompt_positions for _ in range(n)])
-        prompt_mask = torch.tensor([[0] * (prompt_len - len(encoded[p])) + [1] * len(encoded[p]) for p in prompt_positions for _ in range(n)])
-        prompt_ids, prompt_mask = prompt_ids.to(env.device), prompt_mask.to(env.device)
-        uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[global_rows].to(env.device)
-        with parallel.gathered_for_generation(policy):
-            decoder = StaticKVDecoder(policy, policy.lm, cfg.max_new_tokens) if cfg.static_decode else policy
-            rollout = generate(decoder, prompt_ids, prompt_mask, uniforms, eos_token_ids=eos_ids, pad_token_id=pad_id,
-                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, keep_going=parallel.any_rank)
-        response_ids, mask = rollout.response_ids, rollout.response_mask
-        lengths = mask.sum(dim=1)  # [B] >= 1
-        texts = [tokenizer.decode(row[: int(length)].tolist(), skip_special_tokens=True) for row, length in zip(response_ids.cpu(), lengths.cpu())]
-        answers = [problems[p].answer for p in prompt_positions for _ in range(n)]
-        finished = rollout.finished.cpu().tolist()
-        if data is None:
-            scores = [synthetic_reward(cfg.task, text, answer, done) for text, answer, done in zip(texts, answers, finished)]
-        else:
-            scores = [math_reward(text, answer) for text, answer in zip(texts, answers)]
-        scores = torch.tensor(scores, dtype=torch.float32, device=env.device)
-        rewards = torch.zeros(mask.shape, dtype=torch.float32, device=env.device).scatter_(1, (lengths - 1)[:, None], scores[:, None])
-        sequences = torch.cat([prompt_ids, response_ids], dim=1)
-        attention = torch.cat([prompt_mask.bool(), mask], dim=1)
-        positions = position_ids_from_mask(attention)
-        t1 = sync()
+def sync(env: parallel.Dist) -> float:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
-        # ------------------------------------------------------------------------- old log-probs, advantages
-        micro = [slice(start, min(start + cfg.micro_batch_size, (k + 1) * rows_per_mini))  # micro-batches never straddle mini-batches
-                 for k in range(cfg.mini_batches) for start in range(k * rows_per_mini, (k + 1) * rows_per_mini, cfg.micro_batch_size)]
-        old_log_probs, sum_pi_sq = torch.empty(mask.shape, device=env.device), torch.empty(mask.shape, device=env.device)
-        ref_log_probs = torch.empty(mask.shape, device=env.device) if reference is not None else None
-        with torch.no_grad():
-            for rows in micro:
-                args = (sequences[rows], attention[rows], positions[rows])
-                old_log_probs[rows], sum_pi_sq[rows] = policy(*args, targets=response_ids[rows])
-                if reference is not None:
-                    ref_log_probs[rows] = reference(*args, targets=response_ids[rows])[0]
-        t2 = sync()
-        energies = {}
-        if cfg.estimator == "eob":  # ||S||^2 of every response, micro-batch by micro-batch; no .grad is touched
-            energies["grad_norms_sq"] = torch.cat([sequence_norms(policy, sequences[r], attention[r], positions[r],
-                                                                  response_ids[r], mask[r]) for r in micro])
-        if exact_lm is not None:  # the full parameters every step (one all-gather of the whole model: small models only)
-            exact_lm.load_state_dict({k.removeprefix("lm."): v for k, v in parallel.full_model_state_dict(policy).items()})
-            energies = exact_energies(cfg.estimator, exact_lm, sequences, attention, mask, cfg.temperature)
-        group = torch.tensor([p for p in prompt_positions for _ in range(n)], device=env.device)  # prompt ids
-        advantages, _ = compute_advantages(cfg.estimator, rewards, mask, group, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_sq,
-                                           leave_one_out=True if cfg.leave_one_out else None, **energies)
-        proxy = variance_proxy_metrics(advantages, mask, old_log_probs, sum_pi_sq)
-        if cfg.debug_dump:
-            Path(cfg.debug_dump).mkdir(parents=True, exist_ok=True)
-            torch.save({"rows": global_rows, "advantages": advantages.cpu(), "rewards": scores.cpu(), "response_ids": response_ids.cpu()},
-                       Path(cfg.debug_dump) / f"step{step}_rank{env.rank}.pt")
-        t3 = sync()
 
-        # ------------------------------------------------------------------------- update
-        # Per optimizer step: the loss is the sum of micro-batch shares normalised by GLOBAL counts, and
-        # FSDP sums (not averages) gradients over ranks, so any rank/micro-batch split gives the same gradient.
-        totals = dict.fromkeys(["loss", "grad_norm", "clip_fraction", "approx_kl", "kl_ref"], 0.0)
-        skipped, lr = 0, scheduler.get_last_lr()[0]
-        for _ in range(cfg.epochs):
-            for k in range(cfg.mini_batches):
-                mini = slice(k * rows_per_mini, (k + 1) * rows_per_mini)
-                global_tokens = float(parallel.all_reduce([float(mask[mini].sum())])[0])
-                norm = dict(global_tokens=global_tokens, global_sequences=rows_per_mini * env.world_size)
-                local = torch.zeros(4, dtype=torch.float64)  # loss, clipped-token fraction, approx-KL, KL to reference
-                for rows in (r for r in micro if mini.start <= r.start < mini.stop):
-                    log_probs, _ = policy(sequences[rows], attention[rows], positions[rows], targets=response_ids[rows])
-                    loss, stats = clipped_policy_loss(log_probs, old_log_probs[rows], advantages[rows], mask[rows], clip_low=cfg.clip_low,
-                                                      clip_high=cfg.clip_high, aggregation=cfg.loss_agg, **norm)
-                    if reference is not None:
-                        kl = kl_penalty(log_probs, ref_log_probs[rows], cfg.kl_estimator)
-                        loss = loss + cfg.kl_coef * aggregate(kl, mask[rows], cfg.loss_agg, **norm)
-                        local[3] += float(aggregate(kl.detach(), mask[rows], "token-mean", **norm))
-                    if step == cfg.debug_nan_step:
-                        loss = loss * float("nan")
-                    loss.backward()
-                    local += torch.tensor([float(loss.detach()), float(stats["clipped_tokens"]) / global_tokens,
-                                           float(stats["approx_kl_sum"]) / global_tokens, 0.0], dtype=torch.float64)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # global norm
-                local = parallel.all_reduce(local)
-                if math.isfinite(grad_norm) and math.isfinite(float(local[0])):
-                    optimizer.step()
-                else:  # every rank sees the same global values, so all skip together
-                    skipped += 1
-                    if env.is_main:
-                        progress.write(f"step {step}: non-finite loss ({float(local[0])}) or gradient norm ({grad_norm}); update skipped", file=sys.stderr)
-                optimizer.zero_grad(set_to_none=True)
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                for key, value in zip(["loss", "clip_fraction", "approx_kl", "kl_ref"], local.tolist()):
-                    totals[key] += value
-                totals["grad_norm"] += grad_norm
-        t4 = sync()
+# ----------------------------------------------------------------------------- the loop
 
-        # ------------------------------------------------------------------------- logging, checkpoint
-        updates, count = cfg.mini_batches * cfg.epochs, cfg.prompts_per_step * n
-        sums = parallel.all_reduce([float(scores.sum()), float(scores.square().sum()), float(lengths.sum()), float((~rollout.finished).sum()),
-                                    *(proxy[f"variance_proxy/{key}"] for key in ("proxy2_total_power", "expected_a_squared", "expected_w"))]).tolist()
-        reward_sum, reward_sq_sum, generated, truncated, power, a_squared, energy = sums
-        power, grad_norm_mean = power / env.world_size, totals["grad_norm"] / updates  # ranks hold equal row counts: mean of means
-        state.update(step=step, tokens=state["tokens"] + int(generated), skipped_total=state["skipped_total"] + skipped,
-                     data_position=state["data_position"] + cfg.prompts_per_step, scheduler=scheduler.state_dict())
-        record = {
-            "step": step, "tokens": state["tokens"], "reward_mean": reward_sum / count,
-            "reward_std": math.sqrt(max(0.0, reward_sq_sum / count - (reward_sum / count) ** 2)),
-            "response_length_mean": generated / count, "response_length_max": int(parallel.all_reduce([float(lengths.max())], op="max")[0]),
-            "truncated_fraction": truncated / count, "loss": totals["loss"] / updates, "grad_norm": grad_norm_mean, "lr": lr,
-            "clip_fraction": totals["clip_fraction"] / updates, "approx_kl": totals["approx_kl"] / updates,
-            "skipped": skipped, "skipped_total": state["skipped_total"],
-            # THEORY §5 over the global batch: signal = ||g||², total power P, noise = (P - signal) / (B - 1).
-            "variance_proxy/proxy1_signal_strength": grad_norm_mean**2, "variance_proxy/proxy2_total_power": power,
-            "variance_proxy/proxy3_pure_noise": max(0.0, (power - grad_norm_mean**2) / (count - 1)) if count > 1 else 0.0,
-            "variance_proxy/expected_a_squared": a_squared / env.world_size, "variance_proxy/expected_w": energy / env.world_size,
-            "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "time/advantages": t3 - t2, "time/update": t4 - t3, "time/step": t4 - t0,
-            "throughput/generation_tokens_per_s": generated / (t1 - t0), "throughput/update_tokens_per_s": generated * cfg.epochs / (t4 - t3),
-        }
-        if reference is not None:
-            record["kl_ref"] = totals["kl_ref"] / updates
-        log.write(record)
-        progress.set_postfix(reward=f"{record['reward_mean']:.2f}", len=f"{record['response_length_mean']:.1f}", refresh=False)
-        progress.update(1)
-        if step in (cfg.steps, cfg.debug_stop_after) or (cfg.save_every and step % cfg.save_every == 0):
-            parallel.save_checkpoint(output_dir, step, policy, optimizer, state, env, cfg.keep_checkpoints)
-        if step == cfg.debug_stop_after:
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    if problem := parallel.device_problem(cfg.device):
+        raise UserError(problem)
+    data, line_numbers = load_jsonl(cfg.data) if cfg.data else (None, [])
+    env = parallel.init(cfg.device)
+    try:
+        train(cfg, data, line_numbers, env)
+    finally:
+        parallel.shutdown()
+
+
+def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env: parallel.Dist) -> None:
+    """rollout -> score -> old log-probs -> advantages -> update -> log and checkpoint, step after step."""
+    from tqdm import tqdm
+
+    run, first = prepare(cfg, data, line_numbers, env)
+    state, latest = restore(run)
+    if finished(cfg, state):
+        if env.is_main:
+            print(f"train.py: {run.output_dir} is complete (step {state['step']}, {state['tokens']} tokens): nothing "
+                  "to do; pass a larger --steps to extend it", file=sys.stderr)
+        return
+    start_logs(run, first, state, latest)
+    budget = bool(cfg.token_budget)
+    run.progress = tqdm(total=cfg.token_budget or cfg.steps, initial=state["tokens" if budget else "step"],
+                        unit="tok" if budget else "it", disable=not env.is_main, desc="train", dynamic_ncols=True)
+    first_step, rewards, started = state["step"] + 1, [], time.perf_counter()
+    for step in range(first_step, cfg.steps + 1):
+        times = {"start": sync(env)}
+        batch = rollout(run, step, state["data_position"])
+        score(run, batch)
+        times["rollout"] = sync(env)
+        old_log_probs(run, batch)
+        times["logprobs"] = sync(env)
+        estimate_advantages(run, batch, step)
+        times["advantages"] = sync(env)
+        stats = update(run, batch, step, state)
+        times["update"] = sync(env)
+
+        record = step_metrics(run, batch, stats, step, state)
+        add_timings(record, times, cfg.epochs)
+        state.update(step=step, tokens=record["tokens"], skipped_total=record["skipped_total"],
+                     data_position=state["data_position"] + cfg.prompts_per_step)
+        stop = finished(cfg, state) or step == cfg.debug_stop_after
+        run.metrics_log.write(record)
+        if cfg.sample_every and (step == first_step or step % cfg.sample_every == 0 or stop):
+            write_samples(run, batch, step)
+        report(run, record)
+        rewards.append(record["reward_mean"])
+        if stop or (cfg.save_every and step % cfg.save_every == 0):
+            parallel.save_checkpoint(run.output_dir, step, run.policy, run.optimizer, state, env, cfg.keep_checkpoints)
+        if stop:
             break
-    progress.close()
+    run.progress.close()
+    if env.is_main:
+        print(summary(run, state, first_step, rewards, time.perf_counter() - started), file=sys.stderr)
+
+
+def summary(run: Run, state: dict, first_step: int, rewards: list[float], seconds: float) -> str:
+    """One line at the end of a run: steps, time, tokens, reward at the start and the end, where the outputs are."""
+    k = min(10, len(rewards))
+    start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return (f"train.py: done: steps {first_step}-{state['step']} in {seconds:.0f} s, {state['tokens']} generated tokens "
+            f"in all; mean reward {start:.3f} over the first {k} steps, {end:.3f} over the last {k}; "
+            f"{state['skipped_total']} updates skipped; outputs in {run.output_dir}")
 
 
 if __name__ == "__main__":
