@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -88,8 +93,10 @@ def device_problem(device: str) -> str | None:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     visible = torch.cuda.device_count() if use_cuda else 0
     if use_cuda and per_node > visible:
-        return (f"torchrun started {per_node} processes on this node but {visible} GPU(s) are visible: "
-                f"use --nproc_per_node={visible}, or --device cpu")
+        return (
+            f"torchrun started {per_node} processes on this node but {visible} GPU(s) are visible: "
+            f"use --nproc_per_node={visible}, or --device cpu"
+        )
     return None
 
 
@@ -102,14 +109,18 @@ def barrier() -> None:
     dist.barrier()
 
 
-def shard(model: nn.Module, layers: list[nn.Module], env: Dist, *, bf16: bool, activation_checkpointing: bool) -> nn.Module:
+def shard(
+    model: nn.Module, layers: list[nn.Module], env: Dist, *, bf16: bool, activation_checkpointing: bool
+) -> nn.Module:
     """FSDP2: ``fully_shard`` each of ``layers`` (in place), then ``model`` as the root.
 
     ``layers`` are the decoder layers (children of ``model``); with
     ``activation_checkpointing`` each is wrapped first so that its activations
     are recomputed in backward. Gradients are reduced with a plain SUM.
     """
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -149,7 +160,9 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
 def all_reduce(values: list[float] | torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Sum (or max) of float64 ``values`` over ranks; returns a CPU float64 tensor."""
     tensor = torch.as_tensor(values, dtype=torch.float64).clone()
-    backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    backend_device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    )
     tensor = tensor.to(backend_device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.cpu()
@@ -215,15 +228,29 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(complete, key=lambda p: p.name, default=None)
 
 
-def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any], env: Dist) -> dict[str, Any]:
+def _app_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any], env: Dist
+) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # Trainer values travel as one JSON string (exact for ints and floats); one RNG entry per rank
     # (different keys, so DCP keeps each rank's own).
-    return {"model": model_state, "optimizer": optimizer_state, "trainer": json.dumps(trainer), "rng": {f"rank{env.rank}": rng_state()}}
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "trainer": json.dumps(trainer),
+        "rng": {f"rank{env.rank}": rng_state()},
+    }
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any],
-                    env: Dist, keep: int) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer: dict[str, Any],
+    env: Dist,
+    keep: int,
+) -> Path:
     """Write a checkpoint for ``step`` (a collective); mark it complete only once fully written.
 
     ``trainer`` holds plain Python values (step, counters, scheduler state).
@@ -245,7 +272,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
             marker.flush()
             os.fsync(marker.fileno())
         if keep > 0:
-            complete = sorted(p for p in final.parent.iterdir() if _CHECKPOINT_NAME.match(p.name) and (p / COMPLETE_MARKER).is_file())
+            complete = sorted(
+                p for p in final.parent.iterdir() if _CHECKPOINT_NAME.match(p.name) and (p / COMPLETE_MARKER).is_file()
+            )
             for old in complete[:-keep]:
                 (old / COMPLETE_MARKER).unlink()  # unmark first: a crash mid-delete leaves it ignored
                 shutil.rmtree(old)
@@ -253,7 +282,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any], env: Dist) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any], env: Dist
+) -> dict[str, Any]:
     """Load a complete checkpoint into ``model`` and ``optimizer`` (in place) and this rank's RNG state;
     returns the saved ``trainer`` dict (``trainer`` gives its keys)."""
     if not (Path(path) / COMPLETE_MARKER).is_file():
@@ -280,8 +311,14 @@ class MetricsLog:
     after the checkpoint that is being resumed are dropped); ``None`` starts a new file.
     """
 
-    def __init__(self, output_dir: Path, env: Dist, resume_step: int | None, tensorboard: bool = False,
-                 name: str = "metrics.jsonl") -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        env: Dist,
+        resume_step: int | None,
+        tensorboard: bool = False,
+        name: str = "metrics.jsonl",
+    ) -> None:
         self.path = Path(output_dir) / name
         self.enabled = env.is_main
         self.writer = None
@@ -289,7 +326,11 @@ class MetricsLog:
             return
         kept = []
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
         self.path.write_text("".join(line + "\n" for line in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         records = load_metrics(run)
         label = (run.parent if run.is_file() else run).resolve().name
         nan = float("nan")
-        reward_axis.plot([r["tokens"] for r in records], smooth([r["reward_mean"] for r in records], args.smooth), label=label)
+        reward_axis.plot(
+            [r["tokens"] for r in records], smooth([r["reward_mean"] for r in records], args.smooth), label=label
+        )
         grad_norms = [r["grad_norm"] if r.get("grad_norm") is not None else nan for r in records]
         grad_axis.plot([r["step"] for r in records], smooth(grad_norms, args.smooth), label=label)
     reward_axis.set(xlabel="generated tokens", ylabel="mean reward", title="reward vs tokens")

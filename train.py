@@ -33,8 +33,13 @@ import torch
 from torch import nn
 
 import parallel
-from otb_ref import ESTIMATORS, compute_advantages, logprobs_and_sum_pi_squared, row_grad_norms_sq
-from otb_ref import variance_proxy_metrics
+from otb_ref import (
+    ESTIMATORS,
+    compute_advantages,
+    logprobs_and_sum_pi_squared,
+    row_grad_norms_sq,
+    variance_proxy_metrics,
+)
 from otb_ref.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl_penalty
 from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_ref.static_decode import StaticKVDecoder, static_decode_unsupported
@@ -54,15 +59,20 @@ class Config:
     steps: int = _flag(300, "RL steps; with --token-budget, a cap on steps (default then 1000000)")
     token_budget: int = _flag(0, "stop after this many generated tokens; the LR schedule runs on tokens (0: off)")
     seed: int = _flag(0, "seed of model init, prompt order and sampling")
-    output_dir: str = _flag("", "directory for metrics.jsonl, samples.jsonl, config.json, checkpoints (default: runs/<date-time>)")
-    resume: bool = _flag(False, "continue the run in --output-dir from its newest complete checkpoint (from step 0 if none)")
+    output_dir: str = _flag(
+        "", "directory for metrics.jsonl, samples.jsonl, config.json, checkpoints (default: runs/<date-time>)"
+    )
+    resume: bool = _flag(
+        False, "continue the run in --output-dir from its newest complete checkpoint (from step 0 if none)"
+    )
     save_every: int = _flag(50, "checkpoint every this many steps (and after the last); 0: only after the last")
     keep_checkpoints: int = _flag(2, "complete checkpoints to keep (0: all)")
     model: str = _flag("", "local Hugging Face checkpoint directory (default: a tiny random-init Qwen2)")
     data: str = _flag("", 'JSONL file of {"prompt": ..., "answer": ...} rows, math-answer reward (default: synthetic)')
     task: str = _flag("copy", "built-in synthetic task when --data is not given", SYNTHETIC_TASKS)
-    copy_lengths: tuple[int, int] | None = _flag(None, "copy task: MIN MAX answer digits (default 1 4; 63 511 with --long-horizon)",
-                                                 nargs=2)
+    copy_lengths: tuple[int, int] | None = _flag(
+        None, "copy task: MIN MAX answer digits (default 1 4; 63 511 with --long-horizon)", nargs=2
+    )
     long_horizon: bool = _flag(False, "copy task with 64-512 token responses and --max-new-tokens 512 (for GPUs)")
     hidden_size: int = _flag(64, "width of the built-in model")
     num_layers: int = _flag(2, "decoder layers of the built-in model")
@@ -73,8 +83,9 @@ class Config:
     top_p: float = _flag(1.0, "nucleus sampling mass")
     estimator: str = _flag("otb", "advantage estimator", tuple(ESTIMATORS))
     leave_one_out: bool | None = _flag(None, "leave-one-out baselines (default: the estimator's; only rloo has them)")
-    std_normalize: bool | None = _flag(None, "divide advantages by the group's reward std (default: the estimator's; "
-                                             "only grpo does)")
+    std_normalize: bool | None = _flag(
+        None, "divide advantages by the group's reward std (default: the estimator's; only grpo does)"
+    )
     lr: float = _flag(1e-3, "peak learning rate, AdamW (default 1e-6 with --model)")
     weight_decay: float = _flag(0.0, "AdamW weight decay")
     warmup_steps: int = _flag(5, "linear warmup, in optimizer steps")
@@ -89,16 +100,22 @@ class Config:
     epochs: int = _flag(1, "passes over the batch per RL step")
     micro_batch_size: int = _flag(64, "responses per forward/backward on each rank (default 8 with --model)")
     device: str = _flag("auto", "auto: CUDA when available", ("auto", "cpu", "cuda"))
-    mixed_precision: str = _flag("auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32"))
+    mixed_precision: str = _flag(
+        "auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32")
+    )
     activation_checkpointing: bool = _flag(False, "recompute decoder-layer activations in backward")
     static_decode: bool = _flag(False, "generate with otb_ref.static_decode (static KV cache, CUDA graphs on GPU)")
     logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
-    sample_every: int = _flag(10, "write prompts, responses and rewards to samples.jsonl every this many steps (0: never)")
+    sample_every: int = _flag(
+        10, "write prompts, responses and rewards to samples.jsonl every this many steps (0: never)"
+    )
     num_samples: int = _flag(4, "responses written to samples.jsonl each time (one per prompt)")
     tensorboard: bool = _flag(False, "also write TensorBoard scalars (needs the tensorboard package)")
     debug_dump: str = _flag("", "write per-step advantages and rewards of each rank here", hidden=True)
     debug_nan_step: int = _flag(0, "make the loss NaN at this step (tests the skip)", hidden=True)
-    debug_stop_after: int = _flag(0, "checkpoint and stop after this step, as if preempted (tests --resume)", hidden=True)
+    debug_stop_after: int = _flag(
+        0, "checkpoint and stop after this step, as if preempted (tests --resume)", hidden=True
+    )
 
     def apply_implied_defaults(self, given: set[str]) -> None:
         """Defaults that depend on other flags, for the fields not given on the command line."""
@@ -118,24 +135,40 @@ class Config:
         """Raise :class:`UserError` naming the first flag whose value is wrong (before anything is written)."""
         low, high = self.copy_lengths
         checks = [
-            (self.steps >= 1, "--steps must be >= 1"), (self.token_budget >= 0, "--token-budget must be >= 0"),
-            (self.group_size >= 1, "--group-size must be >= 1"), (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
-            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (self.temperature > 0, "--temperature must be > 0"),
-            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"), (self.lr > 0, "--lr must be > 0"),
-            (0 <= self.clip_low < 1, "--clip-low must be in [0, 1)"), (self.clip_high >= 0, "--clip-high must be >= 0"),
-            (self.kl_coef >= 0, "--kl-coef must be >= 0"), (self.grad_clip >= 0, "--grad-clip must be >= 0"),
-            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"), (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
-            (self.mini_batches >= 1, "--mini-batches must be >= 1"), (self.epochs >= 1, "--epochs must be >= 1"),
-            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (self.save_every >= 0, "--save-every must be >= 0"),
+            (self.steps >= 1, "--steps must be >= 1"),
+            (self.token_budget >= 0, "--token-budget must be >= 0"),
+            (self.group_size >= 1, "--group-size must be >= 1"),
+            (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
+            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+            (self.temperature > 0, "--temperature must be > 0"),
+            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
+            (self.lr > 0, "--lr must be > 0"),
+            (0 <= self.clip_low < 1, "--clip-low must be in [0, 1)"),
+            (self.clip_high >= 0, "--clip-high must be >= 0"),
+            (self.kl_coef >= 0, "--kl-coef must be >= 0"),
+            (self.grad_clip >= 0, "--grad-clip must be >= 0"),
+            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
+            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (self.mini_batches >= 1, "--mini-batches must be >= 1"),
+            (self.epochs >= 1, "--epochs must be >= 1"),
+            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+            (self.save_every >= 0, "--save-every must be >= 0"),
             (self.hidden_size >= 32 and self.hidden_size % 32 == 0, "--hidden-size must be a positive multiple of 32"),
-            (self.num_layers >= 1, "--num-layers must be >= 1"), (self.logprob_chunk_size >= 0, "--logprob-chunk-size must be >= 0"),
+            (self.num_layers >= 1, "--num-layers must be >= 1"),
+            (self.logprob_chunk_size >= 0, "--logprob-chunk-size must be >= 0"),
             (1 <= low <= high, "--copy-lengths MIN MAX needs 1 <= MIN <= MAX"),
-            (self.sample_every >= 0, "--sample-every must be >= 0"), (self.num_samples >= 0, "--num-samples must be >= 0"),
-            (not (self.long_horizon and self.task != "copy"), "--long-horizon is the copy task: drop --task or --long-horizon"),
+            (self.sample_every >= 0, "--sample-every must be >= 0"),
+            (self.num_samples >= 0, "--num-samples must be >= 0"),
+            (
+                not (self.long_horizon and self.task != "copy"),
+                "--long-horizon is the copy task: drop --task or --long-horizon",
+            ),
             (not self.resume or self.output_dir, "--resume needs --output-dir (the run to continue)"),
             (self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-            (not self.tensorboard or importlib.util.find_spec("tensorboard"),
-             "--tensorboard needs the tensorboard package (pip install tensorboard)"),
+            (
+                not self.tensorboard or importlib.util.find_spec("tensorboard"),
+                "--tensorboard needs the tensorboard package (pip install tensorboard)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -161,10 +194,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Flags that define a run: --resume refuses to continue it if any of these differs from its config.json.
 # Every other flag (--steps, saving, logging, micro-batching, devices, decoding speed-ups) may change.
 RUN_DEFINING = (
-    "seed", "model", "data", "task", "copy_lengths", "long_horizon", "hidden_size", "num_layers", "prompts_per_step",
-    "group_size", "max_new_tokens", "temperature", "top_p", "estimator", "leave_one_out", "std_normalize", "lr",
-    "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip", "clip_low", "clip_high", "loss_agg", "kl_coef",
-    "kl_estimator", "mini_batches", "epochs", "token_budget", "mixed_precision",
+    "seed",
+    "model",
+    "data",
+    "task",
+    "copy_lengths",
+    "long_horizon",
+    "hidden_size",
+    "num_layers",
+    "prompts_per_step",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "estimator",
+    "leave_one_out",
+    "std_normalize",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "min_lr_ratio",
+    "grad_clip",
+    "clip_low",
+    "clip_high",
+    "loss_agg",
+    "kl_coef",
+    "kl_estimator",
+    "mini_batches",
+    "epochs",
+    "token_budget",
+    "mixed_precision",
 )
 
 
@@ -244,8 +303,10 @@ def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
     holds_run = (output_dir / "metrics.jsonl").exists() or (output_dir / "checkpoints").exists()
     if not cfg.resume:
         if holds_run:
-            raise UserError(f"--output-dir {output_dir} already holds a run: pass --resume to continue it, "
-                            "or choose another directory")
+            raise UserError(
+                f"--output-dir {output_dir} already holds a run: pass --resume to continue it, "
+                "or choose another directory"
+            )
         return None
     config_file = output_dir / "config.json"
     if not config_file.is_file():
@@ -254,10 +315,14 @@ def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
         return None
     first = json.loads(config_file.read_text())
     now = config_record(cfg)
-    changed = [f"--{k.replace('_', '-')} {first.get(k)!r} -> {now[k]!r}" for k in RUN_DEFINING if first.get(k) != now[k]]
+    changed = [
+        f"--{k.replace('_', '-')} {first.get(k)!r} -> {now[k]!r}" for k in RUN_DEFINING if first.get(k) != now[k]
+    ]
     if changed:
-        raise UserError(f"--resume: flags that define the run differ from {config_file}: {'; '.join(changed)} "
-                        "(start a new --output-dir to change them)")
+        raise UserError(
+            f"--resume: flags that define the run differ from {config_file}: {'; '.join(changed)} "
+            "(start a new --output-dir to change them)"
+        )
     return first
 
 
@@ -277,8 +342,13 @@ class Policy(nn.Module):
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
 
     def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, full_logits=False):
-        out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    past_key_values=cache, use_cache=targets is None)
+        out = self.lm.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=targets is None,
+        )
         weight = self.lm.get_output_embeddings().weight  # [V, d]
         if targets is None:
             return (out.last_hidden_state[:, -1] @ weight.T).float(), out.past_key_values
@@ -286,8 +356,9 @@ class Policy(nn.Module):
         if full_logits:  # through the LM-head module, whose call row_grad_norms_sq records: [B, T, V] logits
             z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
             return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1), None
-        log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(hidden, weight, targets, temperature=self.temperature,
-                                                                chunk_size=self.chunk_size)
+        log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(
+            hidden, weight, targets, temperature=self.temperature, chunk_size=self.chunk_size
+        )
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
 
@@ -297,10 +368,19 @@ def build_model_and_tokenizer(cfg: Config):
 
     if not cfg.model:
         tokenizer, width = CharTokenizer(), cfg.hidden_size
-        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width,
-                             num_hidden_layers=cfg.num_layers, num_attention_heads=max(1, width // 16),
-                             num_key_value_heads=max(1, width // 32), max_position_embeddings=2048,
-                             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=max(1, width // 16),
+            num_key_value_heads=max(1, width // 32),
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+        )
         torch.manual_seed(cfg.seed)
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return lm, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
@@ -311,10 +391,15 @@ def build_model_and_tokenizer(cfg: Config):
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise UserError(f"--model {cfg.model}: not a loadable Hugging Face checkpoint ({reason})") from None
     head, config = lm.get_output_embeddings(), lm.config
-    if head is None or getattr(head, "bias", None) is not None or getattr(config, "final_logit_softcapping", None) \
-            or getattr(config, "logit_scale", None) not in (None, 1.0):
-        raise UserError(f"--model {cfg.model}: unsupported LM head (logits must be hidden @ W.T: "
-                        "no bias, soft-capping or scaling)")
+    if (
+        head is None
+        or getattr(head, "bias", None) is not None
+        or getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logit_scale", None) not in (None, 1.0)
+    ):
+        raise UserError(
+            f"--model {cfg.model}: unsupported LM head (logits must be hidden @ W.T: no bias, soft-capping or scaling)"
+        )
     eos = lm.generation_config.eos_token_id if lm.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     eos = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
     if not eos:
@@ -367,7 +452,9 @@ def local_prompt_positions(cfg: Config, env: parallel.Dist) -> list[int]:
     return [k * per_mini + env.rank * per_rank + i for k in range(cfg.mini_batches) for i in range(per_rank)]
 
 
-def exact_energies(estimator: str, lm: nn.Module, sequences, attention, mask, temperature: float) -> dict[str, torch.Tensor]:
+def exact_energies(
+    estimator: str, lm: nn.Module, sequences, attention, mask, temperature: float
+) -> dict[str, torch.Tensor]:
     """Exact ``||S||²`` [B] ("eob") or ``||S_t||²`` [B, T] ("otb_exact") of an unsharded ``lm`` (otb_ref.exact).
 
     otb_ref.exact uses the model's default positions 0..L-1, so each row is rotated to move its left
@@ -390,6 +477,7 @@ def exact_energies(estimator: str, lm: nn.Module, sequences, attention, mask, te
 def sequence_norms(policy: nn.Module, sequences, attention, positions, response_ids, mask) -> torch.Tensor:
     """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` [B] for the rows given, in one forward + backward of the
     (possibly sharded) policy: otb_ref.row_grad_norms_sq on the policy's own forward and positions."""
+
     def log_likelihood():  # [B]
         log_probs, _ = policy(sequences, attention, positions, targets=response_ids, full_logits=True)
         return (log_probs * mask).sum(dim=1)
@@ -462,15 +550,29 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
     uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[run.global_rows]
     with parallel.gathered_for_generation(run.policy):
         decoder = StaticKVDecoder(run.policy, run.policy.lm, cfg.max_new_tokens) if cfg.static_decode else run.policy
-        out = generate(decoder, prompt_ids, prompt_mask, uniforms.to(env.device), eos_token_ids=run.eos_ids,
-                       pad_token_id=run.pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                       top_p=cfg.top_p, keep_going=parallel.any_rank)
+        out = generate(
+            decoder,
+            prompt_ids,
+            prompt_mask,
+            uniforms.to(env.device),
+            eos_token_ids=run.eos_ids,
+            pad_token_id=run.pad_id,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            keep_going=parallel.any_rank,
+        )
     attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
-    return Batch(problems=[problems[p] for p in run.prompt_positions],
-                 group=torch.tensor([p for p in run.prompt_positions for _ in range(n)], device=env.device),
-                 sequences=torch.cat([prompt_ids, out.response_ids], dim=1), attention=attention,
-                 positions=position_ids_from_mask(attention), response_ids=out.response_ids,
-                 mask=out.response_mask, finished=out.finished)
+    return Batch(
+        problems=[problems[p] for p in run.prompt_positions],
+        group=torch.tensor([p for p in run.prompt_positions for _ in range(n)], device=env.device),
+        sequences=torch.cat([prompt_ids, out.response_ids], dim=1),
+        attention=attention,
+        positions=position_ids_from_mask(attention),
+        response_ids=out.response_ids,
+        mask=out.response_mask,
+        finished=out.finished,
+    )
 
 
 def score(run: Run, batch: Batch) -> None:
@@ -508,21 +610,35 @@ def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
     cfg, b = run.cfg, batch
     energies = {}
     if cfg.estimator == "eob":  # ||S||^2 of every response, micro-batch by micro-batch; no .grad is touched
-        norms = [sequence_norms(run.policy, b.sequences[r], b.attention[r], b.positions[r], b.response_ids[r], b.mask[r])
-                 for r in run.micro]
+        norms = [
+            sequence_norms(run.policy, b.sequences[r], b.attention[r], b.positions[r], b.response_ids[r], b.mask[r])
+            for r in run.micro
+        ]
         energies["grad_norms_sq"] = torch.cat(norms)
     if run.exact_lm is not None:  # the full parameters every step (one all-gather of the whole model: small models)
         full = parallel.full_model_state_dict(run.policy)
         run.exact_lm.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
         energies = exact_energies(cfg.estimator, run.exact_lm, b.sequences, b.attention, b.mask, cfg.temperature)
-    b.advantages, _ = compute_advantages(cfg.estimator, b.rewards, b.mask, b.group, old_log_probs=b.old_log_probs,
-                                         sum_pi_squared=b.sum_pi_sq, leave_one_out=cfg.leave_one_out,
-                                         std_normalize=cfg.std_normalize, **energies)
+    b.advantages, _ = compute_advantages(
+        cfg.estimator,
+        b.rewards,
+        b.mask,
+        b.group,
+        old_log_probs=b.old_log_probs,
+        sum_pi_squared=b.sum_pi_sq,
+        leave_one_out=cfg.leave_one_out,
+        std_normalize=cfg.std_normalize,
+        **energies,
+    )
     b.proxy = variance_proxy_metrics(b.advantages, b.mask, b.old_log_probs, b.sum_pi_sq)
     if cfg.debug_dump:
         Path(cfg.debug_dump).mkdir(parents=True, exist_ok=True)
-        dump = {"rows": run.global_rows, "advantages": b.advantages.cpu(), "rewards": b.scores.cpu(),
-                "response_ids": b.response_ids.cpu()}
+        dump = {
+            "rows": run.global_rows,
+            "advantages": b.advantages.cpu(),
+            "rewards": b.scores.cpu(),
+            "response_ids": b.response_ids.cpu(),
+        }
         torch.save(dump, Path(cfg.debug_dump) / f"step{step}_rank{run.env.rank}.pt")
 
 
@@ -555,8 +671,16 @@ def accumulate_gradients(run: Run, batch: Batch, mini: slice, step: int) -> dict
     sums = dict.fromkeys(("loss", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
     for rows in (r for r in run.micro if mini.start <= r.start < mini.stop):
         log_probs, _ = run.policy(b.sequences[rows], b.attention[rows], b.positions[rows], targets=b.response_ids[rows])
-        loss, stats = clipped_policy_loss(log_probs, b.old_log_probs[rows], b.advantages[rows], b.mask[rows],
-                                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.loss_agg, **norm)
+        loss, stats = clipped_policy_loss(
+            log_probs,
+            b.old_log_probs[rows],
+            b.advantages[rows],
+            b.mask[rows],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.loss_agg,
+            **norm,
+        )
         if run.reference is not None:
             kl = kl_penalty(log_probs, b.ref_log_probs[rows], cfg.kl_estimator)
             loss = loss + cfg.kl_coef * aggregate(kl, b.mask[rows], cfg.loss_agg, **norm)
@@ -584,7 +708,9 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             lr = learning_rate(cfg, state["updates"], state["tokens"], run.schedule_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            sums = parallel.all_reduce_named(accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini), step))
+            sums = parallel.all_reduce_named(
+                accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini), step)
+            )
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), max_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # global
@@ -593,8 +719,10 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             else:
                 skipped += 1
                 if run.env.is_main:
-                    run.progress.write(f"step {step}: non-finite loss ({sums['loss']}) or gradient norm ({grad_norm}); "
-                                       "update skipped", file=sys.stderr)
+                    run.progress.write(
+                        f"step {step}: non-finite loss ({sums['loss']}) or gradient norm ({grad_norm}); update skipped",
+                        file=sys.stderr,
+                    )
             optimizer.zero_grad(set_to_none=True)
             state["updates"] += 1
             for key, value in (*sums.items(), ("grad_norm", grad_norm)):
@@ -609,7 +737,9 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
     lengths, count = b.mask.sum(dim=1), cfg.prompts_per_step * n
     group_scores = b.scores.view(-1, n)  # rows are prompt-major: N consecutive rows per prompt
     local = {
-        "reward": float(b.scores.sum()), "reward_sq": float(b.scores.square().sum()), "tokens": float(lengths.sum()),
+        "reward": float(b.scores.sum()),
+        "reward_sq": float(b.scores.square().sum()),
+        "tokens": float(lengths.sum()),
         "truncated": float((~b.finished).sum()),
         "zero_variance_groups": float((group_scores.amax(dim=1) == group_scores.amin(dim=1)).sum()),
         "neg_log_prob": float(torch.where(b.mask, -b.old_log_probs, 0.0).sum()),  # sampled-token entropy estimate
@@ -620,18 +750,27 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
     generated, reward_mean = total["tokens"], total["reward"] / count
     power, grad_norm = total["proxy2_total_power"] / env.world_size, stats["grad_norm"]  # ranks: equal row counts
     return {
-        "step": step, "tokens": state["tokens"] + int(generated), "generated_tokens": int(generated),
-        "reward_mean": reward_mean, "reward_std": math.sqrt(max(0.0, total["reward_sq"] / count - reward_mean**2)),
+        "step": step,
+        "tokens": state["tokens"] + int(generated),
+        "generated_tokens": int(generated),
+        "reward_mean": reward_mean,
+        "reward_std": math.sqrt(max(0.0, total["reward_sq"] / count - reward_mean**2)),
         "response_length_mean": generated / count,
         "response_length_max": int(parallel.all_reduce([float(lengths.max())], op="max")[0]),
         "truncated_fraction": total["truncated"] / count,
         "zero_variance_group_fraction": total["zero_variance_groups"] / cfg.prompts_per_step,
-        "entropy": total["neg_log_prob"] / generated, "entropy_renyi2": total["neg_log_sum_pi_sq"] / generated,
-        "loss": stats["loss"], "grad_norm": grad_norm, "lr": stats["lr"], "clip_fraction": stats["clip_fraction"],
-        "approx_kl": stats["approx_kl"], "skipped": stats["skipped"],
+        "entropy": total["neg_log_prob"] / generated,
+        "entropy_renyi2": total["neg_log_sum_pi_sq"] / generated,
+        "loss": stats["loss"],
+        "grad_norm": grad_norm,
+        "lr": stats["lr"],
+        "clip_fraction": stats["clip_fraction"],
+        "approx_kl": stats["approx_kl"],
+        "skipped": stats["skipped"],
         "skipped_total": state["skipped_total"] + stats["skipped"],
         # THEORY §5 over the global batch: signal = ||g||², total power P, noise = (P - signal) / (B - 1).
-        "variance_proxy/proxy1_signal_strength": grad_norm**2, "variance_proxy/proxy2_total_power": power,
+        "variance_proxy/proxy1_signal_strength": grad_norm**2,
+        "variance_proxy/proxy2_total_power": power,
         "variance_proxy/proxy3_pure_noise": max(0.0, (power - grad_norm**2) / (count - 1)) if count > 1 else 0.0,
         "variance_proxy/expected_a_squared": total["expected_a_squared"] / env.world_size,
         "variance_proxy/expected_w": total["expected_w"] / env.world_size,
@@ -654,9 +793,17 @@ def write_samples(run: Run, batch: Batch, step: int) -> None:
     n = run.cfg.group_size
     for p, problem in enumerate(batch.problems[: run.cfg.num_samples]):
         row = p * n
-        run.samples_log.write({"step": step, "prompt": problem.prompt, "answer": problem.answer,
-                               "response": batch.texts[row], "reward": float(batch.scores[row]),
-                               "finished": bool(batch.finished[row]), "length": int(batch.mask[row].sum())})
+        run.samples_log.write(
+            {
+                "step": step,
+                "prompt": problem.prompt,
+                "answer": problem.answer,
+                "response": batch.texts[row],
+                "reward": float(batch.scores[row]),
+                "finished": bool(batch.finished[row]),
+                "length": int(batch.mask[row].sum()),
+            }
+        )
 
 
 def report(run: Run, record: dict) -> None:
@@ -664,10 +811,14 @@ def report(run: Run, record: dict) -> None:
     step = record["step"]
     if record["truncated_fraction"] > 0.5 and step - run.last_truncation_warning >= 20 and run.env.is_main:
         run.last_truncation_warning = step
-        run.progress.write(f"step {step}: {record['truncated_fraction']:.0%} of responses hit --max-new-tokens "
-                           f"{run.cfg.max_new_tokens} without EOS; raise it if answers are being cut", file=sys.stderr)
-    run.progress.set_postfix(reward=f"{record['reward_mean']:.2f}", len=f"{record['response_length_mean']:.1f}",
-                             refresh=False)
+        run.progress.write(
+            f"step {step}: {record['truncated_fraction']:.0%} of responses hit --max-new-tokens "
+            f"{run.cfg.max_new_tokens} without EOS; raise it if answers are being cut",
+            file=sys.stderr,
+        )
+    run.progress.set_postfix(
+        reward=f"{record['reward_mean']:.2f}", len=f"{record['response_length_mean']:.1f}", refresh=False
+    )
     run.progress.update(record["generated_tokens"] if run.cfg.token_budget else 1)
 
 
@@ -685,8 +836,10 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> t
     """Every check that can fail, then the models, optimizer and row layout; writes nothing.
     Returns the run and the first start's configuration (None for a new run)."""
     if cfg.prompts_per_step % (env.world_size * cfg.mini_batches):
-        raise UserError(f"--prompts-per-step ({cfg.prompts_per_step}) must be divisible by the number of ranks "
-                        f"({env.world_size}) times --mini-batches ({cfg.mini_batches})")
+        raise UserError(
+            f"--prompts-per-step ({cfg.prompts_per_step}) must be divisible by the number of ranks "
+            f"({env.world_size}) times --mini-batches ({cfg.mini_batches})"
+        )
     cfg.output_dir = cfg.output_dir or parallel.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
     first = check_run_directory(cfg, Path(cfg.output_dir))
     parallel.barrier()  # every rank has looked before rank 0 writes anything there
@@ -706,17 +859,33 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> t
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     positions, n = local_prompt_positions(cfg, env), cfg.group_size
     rows_per_mini = len(positions) * n // cfg.mini_batches
-    micro = [slice(start, min(start + cfg.micro_batch_size, (k + 1) * rows_per_mini))
-             for k in range(cfg.mini_batches) for start in range(k * rows_per_mini, (k + 1) * rows_per_mini, cfg.micro_batch_size)]
-    run = Run(cfg=cfg, env=env, output_dir=Path(cfg.output_dir), data=data, tokenizer=tokenizer, eos_ids=eos_ids,
-              pad_id=pad_id, policy=policy, reference=reference, exact_lm=exact_lm, optimizer=optimizer,
-              schedule_steps=first["steps"] if first else cfg.steps, prompt_positions=positions,
-              global_rows=torch.tensor([p * n + i for p in positions for i in range(n)]), micro=micro)
+    micro = [
+        slice(start, min(start + cfg.micro_batch_size, (k + 1) * rows_per_mini))
+        for k in range(cfg.mini_batches)
+        for start in range(k * rows_per_mini, (k + 1) * rows_per_mini, cfg.micro_batch_size)
+    ]
+    run = Run(
+        cfg=cfg,
+        env=env,
+        output_dir=Path(cfg.output_dir),
+        data=data,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        policy=policy,
+        reference=reference,
+        exact_lm=exact_lm,
+        optimizer=optimizer,
+        schedule_steps=first["steps"] if first else cfg.steps,
+        prompt_positions=positions,
+        global_rows=torch.tensor([p * n + i for p in positions for i in range(n)]),
+        micro=micro,
+    )
     return run, first
 
 
 def restore(run: Run) -> tuple[dict, Path | None]:
-    """The trainer state: fresh, or (--resume) loaded with the model and optimizer from the newest complete checkpoint."""
+    """The trainer state: fresh, or loaded (with the model and optimizer) from the newest complete checkpoint."""
     state = {"step": 0, "tokens": 0, "skipped_total": 0, "data_position": 0, "updates": 0}
     latest = parallel.latest_checkpoint(run.output_dir) if run.cfg.resume else None
     if latest is not None:
@@ -738,16 +907,28 @@ def start_logs(run: Run, first: dict | None, state: dict, latest: Path | None) -
             (out / "config.json").write_text(json.dumps(now, indent=1))
         changed = {k: [v, now[k]] for k, v in (first or now).items() if now.get(k) != v and k != "resume"}
         with open(out / "config_history.jsonl", "a") as file:
-            file.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": state["step"],
-                                   "changed": changed, "config": now}) + "\n")
+            file.write(
+                json.dumps(
+                    {
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "from_step": state["step"],
+                        "changed": changed,
+                        "config": now,
+                    }
+                )
+                + "\n"
+            )
         how = f"resumed from {latest.name}" if latest else "from scratch"
         how += " (no complete checkpoint found)" if cfg.resume and not latest else ""
         print(f"run {out}: {env.world_size} rank(s) on {env.device}, estimator {cfg.estimator}, {how}", file=sys.stderr)
         print(describe(cfg), file=sys.stderr)
         if first and cfg.steps > run.schedule_steps and not cfg.token_budget:
-            print(f"--steps {cfg.steps} extends the run past its first --steps {run.schedule_steps}: the learning-rate "
-                  f"schedule keeps that horizon, so steps {run.schedule_steps + 1}-{cfg.steps} run at "
-                  f"--min-lr-ratio x --lr = {cfg.min_lr_ratio * cfg.lr:.3g}", file=sys.stderr)
+            print(
+                f"--steps {cfg.steps} extends the run past its first --steps {run.schedule_steps}: the learning-rate "
+                f"schedule keeps that horizon, so steps {run.schedule_steps + 1}-{cfg.steps} run at "
+                f"--min-lr-ratio x --lr = {cfg.min_lr_ratio * cfg.lr:.3g}",
+                file=sys.stderr,
+            )
     resume_step = state["step"] if cfg.resume else None
     run.metrics_log = parallel.MetricsLog(out, env, resume_step=resume_step, tensorboard=cfg.tensorboard)
     run.samples_log = parallel.MetricsLog(out, env, resume_step=resume_step, name="samples.jsonl")
@@ -782,13 +963,22 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
     state, latest = restore(run)
     if finished(cfg, state):
         if env.is_main:
-            print(f"train.py: {run.output_dir} is complete (step {state['step']}, {state['tokens']} tokens): nothing "
-                  "to do; pass a larger --steps to extend it", file=sys.stderr)
+            print(
+                f"train.py: {run.output_dir} is complete (step {state['step']}, {state['tokens']} tokens): nothing "
+                "to do; pass a larger --steps to extend it",
+                file=sys.stderr,
+            )
         return
     start_logs(run, first, state, latest)
     budget = bool(cfg.token_budget)
-    run.progress = tqdm(total=cfg.token_budget or cfg.steps, initial=state["tokens" if budget else "step"],
-                        unit="tok" if budget else "it", disable=not env.is_main, desc="train", dynamic_ncols=True)
+    run.progress = tqdm(
+        total=cfg.token_budget or cfg.steps,
+        initial=state["tokens" if budget else "step"],
+        unit="tok" if budget else "it",
+        disable=not env.is_main,
+        desc="train",
+        dynamic_ncols=True,
+    )
     first_step, rewards, started = state["step"] + 1, [], time.perf_counter()
     for step in range(first_step, cfg.steps + 1):
         times = {"start": sync(env)}
@@ -804,8 +994,12 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
 
         record = step_metrics(run, batch, stats, step, state)
         add_timings(record, times, cfg.epochs)
-        state.update(step=step, tokens=record["tokens"], skipped_total=record["skipped_total"],
-                     data_position=state["data_position"] + cfg.prompts_per_step)
+        state.update(
+            step=step,
+            tokens=record["tokens"],
+            skipped_total=record["skipped_total"],
+            data_position=state["data_position"] + cfg.prompts_per_step,
+        )
         stop = finished(cfg, state) or step == cfg.debug_stop_after
         run.metrics_log.write(record)
         if cfg.sample_every and (step == first_step or step % cfg.sample_every == 0 or stop):
@@ -825,9 +1019,11 @@ def summary(run: Run, state: dict, first_step: int, rewards: list[float], second
     """One line at the end of a run: steps, time, tokens, reward at the start and the end, where the outputs are."""
     k = min(10, len(rewards))
     start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    return (f"train.py: done: steps {first_step}-{state['step']} in {seconds:.0f} s, {state['tokens']} generated tokens "
-            f"in all; mean reward {start:.3f} over the first {k} steps, {end:.3f} over the last {k}; "
-            f"{state['skipped_total']} updates skipped; outputs in {run.output_dir}")
+    return (
+        f"train.py: done: steps {first_step}-{state['step']} in {seconds:.0f} s, {state['tokens']} generated tokens "
+        f"in all; mean reward {start:.3f} over the first {k} steps, {end:.3f} over the last {k}; "
+        f"{state['skipped_total']} updates skipped; outputs in {run.output_dir}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ import warnings
 from typing import Callable
 
 import torch
+from run import OTB_SHAPES, OTB_SHAPES_QUICK, _otb_inputs, naive_logprobs_and_sum_pi_squared
 
 import otb_ref
-from run import OTB_SHAPES, OTB_SHAPES_QUICK, _otb_inputs, naive_logprobs_and_sum_pi_squared
 
 PROXY = dict(n=8192, d=3584, vocab=152064)
 PROXY_QUICK = dict(n=1000, d=64, vocab=5000)  # rows not a multiple of any chunk
@@ -69,8 +69,13 @@ class Recorder:
         try:
             result = fn()
         except Exception as error:  # noqa: BLE001 - one failing case must not stop the run
-            self.emit({**labels, "error": f"{type(error).__name__}: {error}"[:2000],
-                       "where": traceback.format_exc(limit=-3)[-1500:]})
+            self.emit(
+                {
+                    **labels,
+                    "error": f"{type(error).__name__}: {error}"[:2000],
+                    "where": traceback.format_exc(limit=-3)[-1500:],
+                }
+            )
             result = None
         finally:
             try:  # after a CUDA error these raise too; the error record is already out
@@ -139,7 +144,8 @@ def proxy_step(path: str, train: bool, hidden, weight, targets, chunk_rows: int 
             log_probs, _ = naive_logprobs_and_sum_pi_squared(hidden, weight, targets)
         else:
             log_probs, _ = otb_ref.logprobs_and_sum_pi_squared(
-                hidden, weight, targets, chunk_size=chunk_rows, implementation=path)
+                hidden, weight, targets, chunk_size=chunk_rows, implementation=path
+            )
         if train:
             log_probs.sum().backward()
 
@@ -163,11 +169,18 @@ def bench_proxy(rec: Recorder, quick: bool) -> None:
         baseline: dict[str, float] = {}
         cases = [("matmul", None), ("naive", None), ("eager", None)] + [("fused", c) for c in chunks]
         for path, chunk_rows in cases:
-            labels = {"section": "proxy", "shape": shape, "dtype": "bfloat16", "mode": mode, "path": path,
-                      "chunk_rows": chunk_rows}
+            labels = {
+                "section": "proxy",
+                "shape": shape,
+                "dtype": "bfloat16",
+                "mode": mode,
+                "path": path,
+                "chunk_rows": chunk_rows,
+            }
 
             def measure(path=path, chunk_rows=chunk_rows):
-                step = proxy_step(path, train, hidden, weight, targets, chunk_rows, upstream)
+                # runs before the `del hidden, ...` below (hence the F821 waiver)
+                step = proxy_step(path, train, hidden, weight, targets, chunk_rows, upstream)  # noqa: F821
                 result = time_cuda(step, repeats)
                 peak = peak_extra_bytes(step)
                 result.update(peak_extra_gib=peak / GIB, peak_beyond_grads_gib=(peak - grads_bytes) / GIB)
@@ -185,11 +198,15 @@ def _with_ratios(result: dict, path: str, mode: str, baseline: dict) -> dict:
         if path not in ("matmul", "naive") and name in baseline:
             result[f"over_{name}"] = result["median_ms"] / baseline[name]
     if path == "fused" and mode == "forward" and "over_matmul" in result:
-        result.update(target_over_matmul=TARGETS["forward_over_matmul"],
-                      meets_target=result["over_matmul"] <= TARGETS["forward_over_matmul"])
+        result.update(
+            target_over_matmul=TARGETS["forward_over_matmul"],
+            meets_target=result["over_matmul"] <= TARGETS["forward_over_matmul"],
+        )
     if path == "fused" and mode == "forward_backward" and "over_naive" in result:
-        result.update(target_over_naive=TARGETS["forward_backward_over_naive"],
-                      meets_target=result["over_naive"] <= TARGETS["forward_backward_over_naive"])
+        result.update(
+            target_over_naive=TARGETS["forward_backward_over_naive"],
+            meets_target=result["over_naive"] <= TARGETS["forward_backward_over_naive"],
+        )
     return result
 
 
@@ -200,16 +217,26 @@ def bench_proxy_memory(rec: Recorder, quick: bool) -> None:
     grads_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
     for chunk_rows in (*(FUSED_CHUNKS_QUICK if quick else FUSED_CHUNKS), None):
         chunk_label = chunk_rows if chunk_rows else f"default ({otb_ref.proxy.FUSED_CHUNK_ROWS})"
-        labels = {"section": "proxy_memory", "shape": shape, "dtype": "bfloat16", "mode": "forward_backward",
-                  "path": "fused", "chunk_rows": chunk_label}
+        labels = {
+            "section": "proxy_memory",
+            "shape": shape,
+            "dtype": "bfloat16",
+            "mode": "forward_backward",
+            "path": "fused",
+            "chunk_rows": chunk_label,
+        }
 
         def measure(chunk_rows=chunk_rows):
             step = proxy_step("fused", True, hidden, weight, targets, chunk_rows)
             step()  # warm-up (compilation)
             peak = peak_extra_bytes(step)
             beyond = (peak - grads_bytes) / GIB
-            return {"peak_extra_gib": peak / GIB, "peak_beyond_grads_gib": beyond,
-                    "target_gib": TARGETS["memory_gib"], "meets_target": beyond <= TARGETS["memory_gib"]}
+            return {
+                "peak_extra_gib": peak / GIB,
+                "peak_beyond_grads_gib": beyond,
+                "target_gib": TARGETS["memory_gib"],
+                "meets_target": beyond <= TARGETS["memory_gib"],
+            }
 
         rec.case(labels, measure)
 
@@ -231,7 +258,8 @@ def bench_proxy_check(rec: Recorder, quick: bool) -> None:
             sum_sq = logits.softmax(-1).square().sum(-1)
         else:
             log_probs, sum_sq = otb_ref.logprobs_and_sum_pi_squared(
-                h, w, targets, temperature=0.7, chunk_size=chunk, implementation=implementation)
+                h, w, targets, temperature=0.7, chunk_size=chunk, implementation=implementation
+            )
         (log_probs * upstream).sum().backward()
         return [t.detach().float() for t in (log_probs, sum_sq, h.grad, w.grad)]
 
@@ -242,13 +270,23 @@ def bench_proxy_check(rec: Recorder, quick: bool) -> None:
             got = run(implementation, torch.bfloat16)
             for name, a, b in zip(("log_probs", "sum_pi_squared", "grad_hidden", "grad_weight"), got, reference):
                 record[f"{implementation}_{name}_rel_err"] = float((a - b).abs().max() / b.abs().max())
-        worst = {name: max(record[f"eager_{name}_rel_err"], 1e-3) for name in
-                 ("log_probs", "sum_pi_squared", "grad_hidden", "grad_weight")}
+        worst = {
+            name: max(record[f"eager_{name}_rel_err"], 1e-3)
+            for name in ("log_probs", "sum_pi_squared", "grad_hidden", "grad_weight")
+        }
         record["fused_within_2x_eager"] = all(record[f"fused_{k}_rel_err"] <= 2 * v for k, v in worst.items())
         return record
 
-    rec.case({"section": "proxy_check", "shape": dict(n=n, d=d, vocab=vocab), "chunk_rows": chunk,
-              "temperature": 0.7, "dtype": "bfloat16"}, measure)
+    rec.case(
+        {
+            "section": "proxy_check",
+            "shape": dict(n=n, d=d, vocab=vocab),
+            "chunk_rows": chunk,
+            "temperature": 0.7,
+            "dtype": "bfloat16",
+        },
+        measure,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -281,26 +319,40 @@ def bench_otb(rec: Recorder, quick: bool) -> None:
 
         def otb(handle_zero_tail: bool = False, ids=index_tensor):
             return otb_ref.compute_optimal_token_baseline_advantage(
-                rewards, mask, ids, log_probs, sum_sq, handle_zero_tail=handle_zero_tail)
+                rewards, mask, ids, log_probs, sum_sq, handle_zero_tail=handle_zero_tail
+            )
 
         def measure():
             floor_ms = time_cuda(floor, repeats)["median_ms"]
             timed = time_cuda(otb, repeats)
             tail_ms = time_cuda(lambda: otb(True), repeats)["median_ms"]
             ratio = timed["median_ms"] / floor_ms
-            return {"floor_reverse_cumsum_ms": floor_ms, "otb_ms": timed["median_ms"], "otb_first_call_ms":
-                    timed["first_call_ms"], "otb_over_floor": ratio, "otb_handle_zero_tail_ms": tail_ms,
-                    "target_over_floor": TARGETS["otb_over_floor"], "meets_target": ratio <= TARGETS["otb_over_floor"],
-                    "syncs_per_call": count_syncs(otb),
-                    "syncs_per_call_list_index": count_syncs(lambda: otb(ids=index))}
+            return {
+                "floor_reverse_cumsum_ms": floor_ms,
+                "otb_ms": timed["median_ms"],
+                "otb_first_call_ms": timed["first_call_ms"],
+                "otb_over_floor": ratio,
+                "otb_handle_zero_tail_ms": tail_ms,
+                "target_over_floor": TARGETS["otb_over_floor"],
+                "meets_target": ratio <= TARGETS["otb_over_floor"],
+                "syncs_per_call": count_syncs(otb),
+                "syncs_per_call_list_index": count_syncs(lambda: otb(ids=index)),
+            }
 
         rec.case({"section": "otb", "shape": dict(B=batch, T=length, N=group_size), "dtype": "float32"}, measure)
 
 
 def main(quick: bool, budget_s: float, out_path: str | None) -> None:
     rec = Recorder(budget_s, out_path)
-    rec.emit({"section": "start", "shape": None, "quick": quick,
-              "fused_chunk_rows_default": otb_ref.proxy.FUSED_CHUNK_ROWS, "cuda": torch.version.cuda})
+    rec.emit(
+        {
+            "section": "start",
+            "shape": None,
+            "quick": quick,
+            "fused_chunk_rows_default": otb_ref.proxy.FUSED_CHUNK_ROWS,
+            "cuda": torch.version.cuda,
+        }
+    )
     bench_otb(rec, quick)
     bench_proxy_check(rec, quick)
     bench_proxy(rec, quick)

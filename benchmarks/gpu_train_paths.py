@@ -56,7 +56,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import sys
 import time
 import traceback
@@ -73,14 +72,50 @@ from otb_ref.rollout import generate, position_ids_from_mask, sample_tokens, sam
 from otb_ref.static_decode import StaticKVDecoder  # noqa: E402
 
 H100_BF16_DENSE_TFLOPS = 989.0
-FULL = dict(gen_hidden=1024, gen_layers=16, gen_rows=512, gen_prompt=512, gen_new=512, sample_vocab=151936,
-            sample_rows=512, update=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
-            prompt=512, response=512, rows_per_step=32, micro_rows=(4, 8, 16), timed_steps=3)
-QUICK = dict(gen_hidden=64, gen_layers=2, gen_rows=8, gen_prompt=16, gen_new=12, sample_vocab=1000,
-             sample_rows=16, update=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=128, vocab_size=1000),
-             prompt=16, response=16, rows_per_step=4, micro_rows=(2,), timed_steps=1)
+FULL = dict(
+    gen_hidden=1024,
+    gen_layers=16,
+    gen_rows=512,
+    gen_prompt=512,
+    gen_new=512,
+    sample_vocab=151936,
+    sample_rows=512,
+    update=dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    prompt=512,
+    response=512,
+    rows_per_step=32,
+    micro_rows=(4, 8, 16),
+    timed_steps=3,
+)
+QUICK = dict(
+    gen_hidden=64,
+    gen_layers=2,
+    gen_rows=8,
+    gen_prompt=16,
+    gen_new=12,
+    sample_vocab=1000,
+    sample_rows=16,
+    update=dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+    ),
+    prompt=16,
+    response=16,
+    rows_per_step=4,
+    micro_rows=(2,),
+    timed_steps=1,
+)
 
 
 def emit(record: dict) -> None:
@@ -97,8 +132,15 @@ def guarded(bench: str, case: str):
             yield
         except Exception as error:  # noqa: BLE001 - report every failure, keep going
             lines = traceback.format_exc().strip().splitlines()
-            emit({"bench": "error", "of": bench, "case": case, "error": f"{type(error).__name__}: {error}"[:2000],
-                  "traceback": lines[-12:]})
+            emit(
+                {
+                    "bench": "error",
+                    "of": bench,
+                    "case": case,
+                    "error": f"{type(error).__name__}: {error}"[:2000],
+                    "traceback": lines[-12:],
+                }
+            )
         finally:
             release_memory()
 
@@ -133,9 +175,14 @@ def environment(env: parallel.Dist) -> dict:
     """What ran: versions, device, attention backends."""
     import transformers
 
-    record = {"bench": "env", "torch": torch.__version__, "transformers": transformers.__version__,
-              "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
-              "backend": torch.distributed.get_backend(), "threads": torch.get_num_threads()}
+    record = {
+        "bench": "env",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
+        "backend": torch.distributed.get_backend(),
+        "threads": torch.get_num_threads(),
+    }
     if env.device.type == "cuda":
         record["cuda"] = torch.version.cuda
         record["sdpa_flash"] = torch.backends.cuda.flash_sdp_enabled()
@@ -166,8 +213,9 @@ def bench_sampling(shape: dict, env: parallel.Dist) -> None:
             u = uniforms[:, t]
             fp32 = sample_tokens(logits, u, top_p=top_p)
             agree += int((fp32 == sample_tokens(logits, u, top_p=top_p, dtype=torch.float64)).sum())
-            halves = torch.cat([sample_tokens(logits[:1], u[:1], top_p=top_p),
-                                sample_tokens(logits[1:], u[1:], top_p=top_p)])
+            halves = torch.cat(
+                [sample_tokens(logits[:1], u[:1], top_p=top_p), sample_tokens(logits[1:], u[1:], top_p=top_p)]
+            )
             split_equal += int((fp32 == halves).sum())
         for name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
             start = sync(device)
@@ -175,8 +223,18 @@ def bench_sampling(shape: dict, env: parallel.Dist) -> None:
                 sample_tokens(logits, uniforms[:, 0], top_p=top_p, dtype=dtype)
             times[f"{name}_ms"] = round((sync(device) - start) / 5 * 1e3, 3)
         draws = rows * uniforms.shape[1]
-        emit({"bench": "sampling", "rows": rows, "vocab": vocab, "top_p": top_p, "draws": draws,
-              "float32_equals_float64": agree / draws, "split_invariant": split_equal / draws, **times})
+        emit(
+            {
+                "bench": "sampling",
+                "rows": rows,
+                "vocab": vocab,
+                "top_p": top_p,
+                "draws": draws,
+                "float32_equals_float64": agree / draws,
+                "split_invariant": split_equal / draws,
+                **times,
+            }
+        )
 
 
 # ----------------------------------------------------------------------------- generation
@@ -225,11 +283,20 @@ def bench_generation(shape: dict, env: parallel.Dist, paths: list[str], profile:
             rollout = run_generation(policy, path, inputs, shape, vocab, max_new_tokens=shape["gen_new"])
             seconds = sync(env.device) - start
             tokens = int(rollout.response_mask.sum())
-            record = {"bench": "generation", "path": path, "rows": shape["gen_rows"],
-                      "prompt_width": shape["gen_prompt"],
-                      "new_tokens": rollout.response_ids.shape[1], "params": params, "hidden": shape["gen_hidden"],
-                      "layers": shape["gen_layers"], "vocab": vocab, "seconds": round(seconds, 3),
-                      "tokens_per_s": round(tokens / seconds, 1), "peak_memory_gib": peak_gib(env.device)}
+            record = {
+                "bench": "generation",
+                "path": path,
+                "rows": shape["gen_rows"],
+                "prompt_width": shape["gen_prompt"],
+                "new_tokens": rollout.response_ids.shape[1],
+                "params": params,
+                "hidden": shape["gen_hidden"],
+                "layers": shape["gen_layers"],
+                "vocab": vocab,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "peak_memory_gib": peak_gib(env.device),
+            }
             if path == "old":
                 reference, base_seconds = rollout.response_ids, seconds
             elif reference is not None:
@@ -267,8 +334,17 @@ def check_decoder(policy, inputs, cuda_graphs: bool, rows: int = 64, steps: int 
             scale = max(scale, float(reference.abs().max()))
             next_position = next_position + 1
     rows = ids.shape[0]
-    emit({"bench": "decoder_check", "cuda_graphs": cuda_graphs, "rows": rows, "steps": steps,
-          "max_abs_logit_diff": max(diffs), "max_abs_logit": scale, "argmax_agreement": agree / (rows * steps)})
+    emit(
+        {
+            "bench": "decoder_check",
+            "cuda_graphs": cuda_graphs,
+            "rows": rows,
+            "steps": steps,
+            "max_abs_logit_diff": max(diffs),
+            "max_abs_logit": scale,
+            "argmax_agreement": agree / (rows * steps),
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- update
@@ -289,8 +365,13 @@ def update_model(shape: dict, device: torch.device):
     """A random-init Qwen2 of the update shape, built on ``device`` (no download)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**shape["update"], max_position_embeddings=4096, tie_word_embeddings=True,
-                         rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+    config = Qwen2Config(
+        **shape["update"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -306,8 +387,9 @@ def update_batch(shape: dict, vocab: int, rows: int, device: torch.device, padde
     response_mask = torch.ones(rows, response, dtype=torch.bool)
     if padded:  # left-padded prompts and right-padded responses of 3/4 to full length
         prompt_mask = torch.arange(prompt)[None] >= torch.randint(0, prompt // 4 + 1, (rows, 1), generator=generator)
-        response_mask = torch.arange(response)[None] < torch.randint(3 * response // 4, response + 1, (rows, 1),
-                                                                     generator=generator)
+        response_mask = torch.arange(response)[None] < torch.randint(
+            3 * response // 4, response + 1, (rows, 1), generator=generator
+        )
     attention = torch.cat([prompt_mask, response_mask], dim=1)
     targets = ids[:, prompt:] * response_mask
     batch = (ids * attention, attention, position_ids_from_mask(attention), targets, response_mask)
@@ -318,8 +400,17 @@ def optimizer_step(policy, optimizer, micro_batches, old_log_probs, advantages, 
     """train.py's update for one mini-batch: micro-batch losses normalised globally, clip, AdamW."""
     for (sequences, attention, positions, targets, mask), old, adv in zip(micro_batches, old_log_probs, advantages):
         log_probs, _ = policy(sequences, attention, positions, targets=targets)
-        loss, _ = clipped_policy_loss(log_probs, old, adv, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
-                                      global_tokens=tokens, global_sequences=float(len(micro_batches) * len(mask)))
+        loss, _ = clipped_policy_loss(
+            log_probs,
+            old,
+            adv,
+            mask,
+            clip_low=0.2,
+            clip_high=0.2,
+            aggregation="token-mean",
+            global_tokens=tokens,
+            global_sequences=float(len(micro_batches) * len(mask)),
+        )
         loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -354,14 +445,28 @@ def bench_update(shape: dict, env: parallel.Dist, peak_tflops: float, profile: b
             for micro_rows, padded in cases:
                 case = f"activation_checkpointing={checkpointing},micro_rows={micro_rows},padded={padded}"
                 with guarded("update", case):
-                    measure_update(policy, optimizer, config, params, shape, env, peak_tflops, micro_rows, padded,
-                                   checkpointing, profile=profile and not checkpointing and not padded
-                                   and micro_rows == shape["micro_rows"][len(shape["micro_rows"]) // 2])
+                    measure_update(
+                        policy,
+                        optimizer,
+                        config,
+                        params,
+                        shape,
+                        env,
+                        peak_tflops,
+                        micro_rows,
+                        padded,
+                        checkpointing,
+                        profile=profile
+                        and not checkpointing
+                        and not padded
+                        and micro_rows == shape["micro_rows"][len(shape["micro_rows"]) // 2],
+                    )
             del policy, optimizer, lm
 
 
-def measure_update(policy, optimizer, config, params, shape, env, peak_tflops, micro_rows, padded, checkpointing,
-                   profile) -> None:
+def measure_update(
+    policy, optimizer, config, params, shape, env, peak_tflops, micro_rows, padded, checkpointing, profile
+) -> None:
     """Time ``timed_steps`` optimizer steps after one warm-up step; emit the record (and a profile)."""
     device = env.device
     micro, old, advantages, tokens = prepare_update(policy, shape, config.vocab_size, micro_rows, device, padded)
@@ -374,13 +479,26 @@ def measure_update(policy, optimizer, config, params, shape, env, peak_tflops, m
     seconds = (sync(device) - start) / shape["timed_steps"]
     seq = shape["prompt"] + shape["response"]
     flops = update_model_flops(config, rows, shape["prompt"], shape["response"])
-    emit({"bench": "update", "activation_checkpointing": checkpointing, "micro_batch_rows": micro_rows,
-          "rows_per_optimizer_step": rows, "prompt": shape["prompt"], "response": shape["response"], "padded": padded,
-          "valid_token_fraction": round(float(sum(b[1].sum() for b in micro)) / (rows * seq), 3),
-          "params": params, "step_seconds": round(seconds, 4), "tokens_per_s": round(rows * seq / seconds, 1),
-          "model_tflop_per_step": round(flops / 1e12, 3), "achieved_tflops": round(flops / seconds / 1e12, 1),
-          "mfu": round(flops / seconds / (peak_tflops * 1e12), 4), "peak_tflops": peak_tflops,
-          "peak_memory_gib": peak_gib(device)})
+    emit(
+        {
+            "bench": "update",
+            "activation_checkpointing": checkpointing,
+            "micro_batch_rows": micro_rows,
+            "rows_per_optimizer_step": rows,
+            "prompt": shape["prompt"],
+            "response": shape["response"],
+            "padded": padded,
+            "valid_token_fraction": round(float(sum(b[1].sum() for b in micro)) / (rows * seq), 3),
+            "params": params,
+            "step_seconds": round(seconds, 4),
+            "tokens_per_s": round(rows * seq / seconds, 1),
+            "model_tflop_per_step": round(flops / 1e12, 3),
+            "achieved_tflops": round(flops / seconds / 1e12, 1),
+            "mfu": round(flops / seconds / (peak_tflops * 1e12), 4),
+            "peak_tflops": peak_tflops,
+            "peak_memory_gib": peak_gib(device),
+        }
+    )
     if profile:
         with guarded("profile", "update"):
             profile_update(policy, optimizer, micro, old, advantages, tokens, env, micro_rows)
@@ -391,11 +509,14 @@ def measure_update(policy, optimizer, config, params, shape, env, peak_tflops, m
 # ----------------------------------------------------------------------------- profile
 
 
-KERNEL_CATEGORIES = (("attention", ("flash", "fmha", "attention", "sdpa", "kernel_0d1d")),
-                     ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma")),
-                     ("nccl", ("nccl",)), ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
-                     ("reduce_norm_softmax", ("reduce", "norm", "softmax", "logsumexp", "sum")),
-                     ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise")))
+KERNEL_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "kernel_0d1d")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma")),
+    ("nccl", ("nccl",)),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("reduce_norm_softmax", ("reduce", "norm", "softmax", "logsumexp", "sum")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise")),
+)
 
 
 def kernel_category(name: str) -> str:
@@ -424,12 +545,23 @@ def kernel_summary(prof, wall_s: float, repeats: int = 1) -> dict:
     for name, (_, us) in kernels.items():
         categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + us
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
-    return {"wall_ms": round(wall_s * 1e3 / repeats, 2), "device_kernel_ms": round(total / 1e3 / repeats, 2),
-            "device_busy_fraction": round(total / 1e6 / wall_s, 3) if wall_s else None,
-            "category_share": {k: round(v / total, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])}
-            if total else {},
-            "top_kernels": [{"name": name[:160], "calls": int(calls / repeats), "ms": round(us / 1e3 / repeats, 3),
-                             "share": round(us / total, 4)} for name, (calls, us) in top]}
+    return {
+        "wall_ms": round(wall_s * 1e3 / repeats, 2),
+        "device_kernel_ms": round(total / 1e3 / repeats, 2),
+        "device_busy_fraction": round(total / 1e6 / wall_s, 3) if wall_s else None,
+        "category_share": {k: round(v / total, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])}
+        if total
+        else {},
+        "top_kernels": [
+            {
+                "name": name[:160],
+                "calls": int(calls / repeats),
+                "ms": round(us / 1e3 / repeats, 3),
+                "share": round(us / total, 4),
+            }
+            for name, (calls, us) in top
+        ],
+    }
 
 
 def sync_sources(prof, limit: int = 6) -> list[dict]:
@@ -454,10 +586,20 @@ def profile_update(policy, optimizer, micro, old, advantages, tokens, env, micro
         sync(env.device)
     wall = time.perf_counter() - start
     cpu_top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    emit({"bench": "profile", "phase": "update", "micro_batch_rows": micro_rows, "micro_batches": len(micro),
-          **kernel_summary(prof, wall), "host_syncs": sync_sources(prof),
-          "top_cpu_ops": [{"name": e.key[:100], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
-                          for e in cpu_top]})
+    emit(
+        {
+            "bench": "profile",
+            "phase": "update",
+            "micro_batch_rows": micro_rows,
+            "micro_batches": len(micro),
+            **kernel_summary(prof, wall),
+            "host_syncs": sync_sources(prof),
+            "top_cpu_ops": [
+                {"name": e.key[:100], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                for e in cpu_top
+            ],
+        }
+    )
 
 
 def update_breakdown(policy, optimizer, micro, old, advantages, tokens, config, env, micro_rows) -> None:
@@ -468,8 +610,9 @@ def update_breakdown(policy, optimizer, micro, old, advantages, tokens, config, 
     start = sync(device)
     log_probs, _ = policy(sequences, attention, positions, targets=targets)
     forward = sync(device) - start
-    loss, _ = clipped_policy_loss(log_probs, old[0], advantages[0], mask, global_tokens=tokens,
-                                  global_sequences=float(len(micro) * len(mask)))
+    loss, _ = clipped_policy_loss(
+        log_probs, old[0], advantages[0], mask, global_tokens=tokens, global_sequences=float(len(micro) * len(mask))
+    )
     loss.backward()
     backward = sync(device) - start - forward
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -485,9 +628,17 @@ def update_breakdown(policy, optimizer, micro, old, advantages, tokens, config, 
     float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    emit({"bench": "update_breakdown", "micro_batch_rows": micro_rows, "micro_forward_ms": round(forward * 1e3, 2),
-          "micro_backward_ms": round(backward * 1e3, 2), "lm_head_forward_ms": round(head_fwd * 1e3, 2),
-          "lm_head_backward_ms": round(head_bwd * 1e3, 2), "clip_and_adamw_ms": round((sync(device) - start) * 1e3, 2)})
+    emit(
+        {
+            "bench": "update_breakdown",
+            "micro_batch_rows": micro_rows,
+            "micro_forward_ms": round(forward * 1e3, 2),
+            "micro_backward_ms": round(backward * 1e3, 2),
+            "lm_head_forward_ms": round(head_fwd * 1e3, 2),
+            "lm_head_backward_ms": round(head_bwd * 1e3, 2),
+            "clip_and_adamw_ms": round((sync(device) - start) * 1e3, 2),
+        }
+    )
 
 
 def profile_decode(policy, inputs, path: str, env, warm_steps: int, steps: int = 4) -> None:
@@ -514,8 +665,16 @@ def profile_decode(policy, inputs, path: str, env, warm_steps: int, steps: int =
         sync(env.device)
         prof.__exit__(None, None, None)
         wall = time.perf_counter() - start
-    emit({"bench": "profile", "phase": f"decode_{path}", "rows": ids.shape[0], "cache_length": width + total,
-          "per": "decode step", **kernel_summary(prof, wall, repeats=steps)})
+    emit(
+        {
+            "bench": "profile",
+            "phase": f"decode_{path}",
+            "rows": ids.shape[0],
+            "cache_length": width + total,
+            "per": "decode step",
+            **kernel_summary(prof, wall, repeats=steps),
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- main
@@ -524,10 +683,17 @@ def profile_decode(policy, inputs, path: str, env, warm_steps: int, steps: int =
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes through every code path (seconds)")
-    parser.add_argument("--only", choices=("sampling", "generation", "update"), action="append",
-                        help="run only these sections (repeatable)")
-    parser.add_argument("--generation-paths", default="old,new_sampling,static_eager,static_graphs",
-                        help="comma-separated generation paths")
+    parser.add_argument(
+        "--only",
+        choices=("sampling", "generation", "update"),
+        action="append",
+        help="run only these sections (repeatable)",
+    )
+    parser.add_argument(
+        "--generation-paths",
+        default="old,new_sampling,static_eager,static_graphs",
+        help="comma-separated generation paths",
+    )
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS, help="dense bf16 peak for MFU")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler records")
     args = parser.parse_args(argv)

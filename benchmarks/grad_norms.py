@@ -30,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from otb_ref import row_grad_norms_sq  # noqa: E402
 
-CPU_CASES = [dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
-             dict(width=256, layers=4, heads=4, kv=2, ffn=1024, vocab=4096, tied=True, shape=(16, 256))]
+CPU_CASES = [
+    dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
+    dict(width=256, layers=4, heads=4, kv=2, ffn=1024, vocab=4096, tied=True, shape=(16, 256)),
+]
 QUICK_CASES = [dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16))]
 # Qwen2.5-0.5B's shape: 24 layers, width 896, 14 heads of 64, 2 KV heads, MLP 4864, vocabulary 151936, tied.
 GPU_MODEL = dict(width=896, layers=24, heads=14, kv=2, ffn=4864, vocab=151936, tied=True)
@@ -41,10 +43,16 @@ GPU_SHAPES = [(16, 512), (32, 512), (8, 2048)]
 def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool = False):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=case["vocab"], hidden_size=case["width"], intermediate_size=case["ffn"],
-                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
-                         num_key_value_heads=case["kv"], tie_word_embeddings=case["tied"],
-                         max_position_embeddings=4096)
+    config = Qwen2Config(
+        vocab_size=case["vocab"],
+        hidden_size=case["width"],
+        intermediate_size=case["ffn"],
+        num_hidden_layers=case["layers"],
+        num_attention_heads=case["heads"],
+        num_key_value_heads=case["kv"],
+        tie_word_embeddings=case["tied"],
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: seconds saved per 0.5B model
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -113,18 +121,32 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     model = build(case, device, dtype, checkpointing)
     rows, length = shape
     ids, mask = batch(rows, length, case["vocab"], device)
-    record = dict(section="grad_norms", machine=machine(device), torch=torch.__version__, dtype=str(dtype)[6:],
-                  params=sum(p.numel() for p in model.parameters()), B=rows, T=length,
-                  activation_checkpointing=checkpointing,
-                  **{k: v for k, v in case.items() if k not in ("shape", "dtype")})
-    t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)
-    t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)
+    record = dict(
+        section="grad_norms",
+        machine=machine(device),
+        torch=torch.__version__,
+        dtype=str(dtype)[6:],
+        params=sum(p.numel() for p in model.parameters()),
+        B=rows,
+        T=length,
+        activation_checkpointing=checkpointing,
+        **{k: v for k, v in case.items() if k not in ("shape", "dtype")},
+    )
+    # The lambdas run here, before the `del model` below frees the model (hence the F821 waivers).
+    t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)  # noqa: F821
+    t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)  # noqa: F821
     timed = min(rows, args.loop_rows)
-    t_loop, m_loop, loop_norms = measure(lambda: loop(model, ids, mask, timed), device, 1)
+    t_loop, m_loop, loop_norms = measure(lambda: loop(model, ids, mask, timed), device, 1)  # noqa: F821
     rel = ((norms[:timed].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
-    record.update(ordinary_s=t_ord, one_pass_s=t_one, loop_s=t_loop * rows / timed, loop_rows_timed=timed,
-                  one_pass_over_ordinary=t_one / t_ord, loop_over_one_pass=t_loop * rows / timed / t_one,
-                  max_rel_diff_one_pass_vs_loop=float(rel))
+    record.update(
+        ordinary_s=t_ord,
+        one_pass_s=t_one,
+        loop_s=t_loop * rows / timed,
+        loop_rows_timed=timed,
+        one_pass_over_ordinary=t_one / t_ord,
+        loop_over_one_pass=t_loop * rows / timed / t_one,
+        max_rel_diff_one_pass_vs_loop=float(rel),
+    )
     if m_ord is not None:
         record.update(ordinary_peak_gib=m_ord / 2**30, one_pass_peak_gib=m_one / 2**30, loop_peak_gib=m_loop / 2**30)
     del model
@@ -145,8 +167,14 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
         bmm_out_dtype = "ok"
     except Exception as error:  # noqa: BLE001
         bmm_out_dtype = f"{type(error).__name__}: {str(error)[:200]}"
-    record = dict(section="grad_norms_profile", machine=machine(device), B=case["shape"][0], T=case["shape"][1],
-                  bmm_out_dtype=bmm_out_dtype, activation_checkpointing=checkpointing)
+    record = dict(
+        section="grad_norms_profile",
+        machine=machine(device),
+        B=case["shape"][0],
+        T=case["shape"][1],
+        bmm_out_dtype=bmm_out_dtype,
+        activation_checkpointing=checkpointing,
+    )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     passes = (("ordinary", lambda: ordinary(model, ids, mask)), ("one_pass", lambda: one_pass(model, ids, mask)))
     for name, fn in passes:
@@ -157,8 +185,10 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
             sync(device)
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
-        record[name] = [dict(op=e.key[:80], calls=e.count, device_ms=getattr(e, key) / 1e3,
-                             cpu_ms=e.self_cpu_time_total / 1e3) for e in events]
+        record[name] = [
+            dict(op=e.key[:80], calls=e.count, device_ms=getattr(e, key) / 1e3, cpu_ms=e.self_cpu_time_total / 1e3)
+            for e in events
+        ]
         record[name + "_total_device_ms"] = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
     return record
 
@@ -199,8 +229,10 @@ def main(argv=None) -> None:
             record = run_case(case, case["shape"], device, case.get("dtype", dtype), args, checkpointing)
             print(json.dumps(record), flush=True)
         except Exception as error:  # noqa: BLE001 - one failed case must not hide the others
-            print(json.dumps(dict(section="grad_norms", shape=case["shape"], error=f"{type(error).__name__}: {error}")),
-                  flush=True)
+            print(
+                json.dumps(dict(section="grad_norms", shape=case["shape"], error=f"{type(error).__name__}: {error}")),
+                flush=True,
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import otb_ref  # noqa: E402
-from otb_ref.proxy import sum_pi_squared  # noqa: E402
 
 OTB_SHAPES = [(2048, 4096, 8), (16384, 512, 4)]
 OTB_SHAPES_QUICK = [(64, 128, 8), (256, 32, 4)]
@@ -89,7 +88,9 @@ def _proxy_inputs(n, d, vocab, dtype, device, requires_grad):
     return hidden, weight, targets
 
 
-def _proxy_case(path: str, mode: str, n: int, d: int, vocab: int, dtype: torch.dtype, device: torch.device, repeats: int):
+def _proxy_case(
+    path: str, mode: str, n: int, d: int, vocab: int, dtype: torch.dtype, device: torch.device, repeats: int
+):
     """Time and peak memory of one path; meant to run in its own process."""
     train = mode == "forward_backward"
     hidden, weight, targets = _proxy_inputs(n, d, vocab, dtype, device, train)
@@ -133,16 +134,33 @@ def bench_proxy(quick: bool, device: torch.device) -> None:
         for mode in ["forward", "forward_backward"]:
             results = {}
             for path in ["naive", "chunked"]:
-                args = [path, mode, str(shape["n"]), str(shape["d"]), str(shape["vocab"]), dtype, device.type, str(repeats)]
+                args = [
+                    path,
+                    mode,
+                    str(shape["n"]),
+                    str(shape["d"]),
+                    str(shape["vocab"]),
+                    dtype,
+                    device.type,
+                    str(repeats),
+                ]
                 results[path] = _run_proxy_case_in_subprocess(args)
-            _emit({
-                "bench": "proxy", "mode": mode, "dtype": dtype, **shape, "machine": _machine(),
-                "naive_seconds": results["naive"]["seconds"], "chunked_seconds": results["chunked"]["seconds"],
-                "naive_peak_mib": results["naive"]["peak_extra_bytes"] / 2**20,
-                "chunked_peak_mib": results["chunked"]["peak_extra_bytes"] / 2**20,
-                "time_ratio_chunked_over_naive": results["chunked"]["seconds"] / results["naive"]["seconds"],
-                "memory_ratio_chunked_over_naive": results["chunked"]["peak_extra_bytes"] / max(results["naive"]["peak_extra_bytes"], 1),
-            })
+            _emit(
+                {
+                    "bench": "proxy",
+                    "mode": mode,
+                    "dtype": dtype,
+                    **shape,
+                    "machine": _machine(),
+                    "naive_seconds": results["naive"]["seconds"],
+                    "chunked_seconds": results["chunked"]["seconds"],
+                    "naive_peak_mib": results["naive"]["peak_extra_bytes"] / 2**20,
+                    "chunked_peak_mib": results["chunked"]["peak_extra_bytes"] / 2**20,
+                    "time_ratio_chunked_over_naive": results["chunked"]["seconds"] / results["naive"]["seconds"],
+                    "memory_ratio_chunked_over_naive": results["chunked"]["peak_extra_bytes"]
+                    / max(results["naive"]["peak_extra_bytes"], 1),
+                }
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -219,8 +237,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--gpu", action="store_true", help="CUDA benchmarks of benchmarks/gpu.py (JSON lines)")
     parser.add_argument("--out", help="with --gpu: also append the records to this file")
-    parser.add_argument("--time-budget", type=float, default=270.0,
-                        help="with --gpu: skip the cases left after this many seconds")
+    parser.add_argument(
+        "--time-budget", type=float, default=270.0, help="with --gpu: skip the cases left after this many seconds"
+    )
     parser.add_argument("--proxy-case", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpu:
@@ -232,7 +251,9 @@ def main() -> None:
         return
     if args.proxy_case:
         path, mode, n, d, vocab, dtype, device, repeats = args.proxy_case
-        result = _proxy_case(path, mode, int(n), int(d), int(vocab), getattr(torch, dtype), torch.device(device), int(repeats))
+        result = _proxy_case(
+            path, mode, int(n), int(d), int(vocab), getattr(torch, dtype), torch.device(device), int(repeats)
+        )
         print(json.dumps(result))
         return
     device = torch.device(args.device)

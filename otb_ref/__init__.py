@@ -11,6 +11,7 @@ The specification is docs/THEORY.md (facts F1–F7). Pure functions on tensors:
   forward + backward.
 """
 
+from otb_ref import spec
 from otb_ref.advantages import (
     ESTIMATORS,
     Estimator,
@@ -18,12 +19,12 @@ from otb_ref.advantages import (
     compute_multi_turn_optimal_token_baseline_advantage,
     compute_optimal_token_baseline_advantage,
 )
-from otb_ref import spec
 from otb_ref.diagnostics import variance_proxy_metrics
 from otb_ref.grad_norms import row_grad_norms_sq, sequence_grad_norms_sq
 from otb_ref.proxy import logprobs_and_sum_pi_squared, sum_pi_squared, token_energy
 
 __all__ = [
+    "spec",
     "ESTIMATORS",
     "Estimator",
     "compute_advantages",

@@ -27,9 +27,7 @@ def require_tensor(name: str, value: Any) -> torch.Tensor:
 
 def require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...], like: str) -> None:
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(
-            f"{name}: shape {tuple(value.shape)} does not match {like} {tuple(shape)}"
-        )
+        raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {like} {tuple(shape)}")
 
 
 def require_device(name: str, value: torch.Tensor, device: torch.device, like: str) -> None:
@@ -58,9 +56,7 @@ def require_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = 
         bad = bad & where
     if bool(bad.any()):
         position = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"{name}: non-finite value {value[position].item()!r} at index {position}"
-        )
+        raise ValueError(f"{name}: non-finite value {value[position].item()!r} at index {position}")
 
 
 def require_in_range(
@@ -146,8 +142,7 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.
         num_groups = int(inverse.max()) + 1 if batch_size else 0
         return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device), num_groups
     raise ValueError(
-        "index: expected a 1-D integer tensor, a numpy array or a list of ids, "
-        f"got {type(index).__name__}"
+        f"index: expected a 1-D integer tensor, a numpy array or a list of ids, got {type(index).__name__}"
     )
 
 

@@ -31,8 +31,8 @@ baseline: its advantage is its return.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 import math
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -128,7 +128,12 @@ _LEAVE_ONE_OUT_DTYPE = torch.float64
 
 
 def _group_weighted_mean(
-    values: torch.Tensor, weights: torch.Tensor, group: torch.Tensor, num_groups: int, leave_one_out: bool, epsilon: float
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    group: torch.Tensor,
+    num_groups: int,
+    leave_one_out: bool,
+    epsilon: float,
 ) -> torch.Tensor:
     """Baseline ``Σ_j w_j x_j / (Σ_j w_j + ε)`` over each row's group (F7), ``[B] -> [B]``.
 
@@ -147,7 +152,9 @@ def _group_weighted_mean(
     return _safe_ratio(numerator, denominator + epsilon).to(dtype)
 
 
-def _group_std(values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
+def _group_std(
+    values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor
+) -> torch.Tensor:
     """Unbiased standard deviation of ``values [B]`` over each group's counted rows, gathered to ``[B]`` (two-pass)."""
     mean = _segment_sum(torch.where(counted, values, 0.0), group, num_groups) / counts.clamp(min=1)  # [G]
     deviations = torch.where(counted, values - mean[group], 0.0)  # [B]
@@ -187,8 +194,13 @@ class _Range(NamedTuple):
 
 # A value inside each input's range: round 2 of the checks puts it off the mask, so that the min and max
 # of the result concern the valid entries alone.
-_FILL = {"token_level_rewards": 0.0, "old_log_probs": 0.0, "sum_pi_squared": 1.0, "cumulative_energy": 0.0,
-         "rollout_is_weights": 0.0}
+_FILL = {
+    "token_level_rewards": 0.0,
+    "old_log_probs": 0.0,
+    "sum_pi_squared": 1.0,
+    "cumulative_energy": 0.0,
+    "rollout_is_weights": 0.0,
+}
 
 
 def _value_inputs(spec: Estimator, inputs: _Inputs) -> list[tuple[str, torch.Tensor]]:
@@ -240,8 +252,15 @@ def _mask_is_binary(stats: list[float]) -> bool:
 def _raise_if_invalid(name: str, full: torch.Tensor, value_range: _Range, where: torch.Tensor | None) -> None:
     """Locate a bad entry of ``full`` (among those ``where`` marks valid, if given) and raise naming it."""
     _checks.require_finite(name, full, where=where)
-    _checks.require_in_range(name, full, value_range.low, value_range.high, where=where,
-                             low_inclusive=value_range.low_inclusive, rule=value_range.rule)
+    _checks.require_in_range(
+        name,
+        full,
+        value_range.low,
+        value_range.high,
+        where=where,
+        low_inclusive=value_range.low_inclusive,
+        rule=value_range.rule,
+    )
 
 
 def _check_block(
@@ -263,10 +282,10 @@ def _check_block(
     values = _host_read(mask_stats + [stat for _, _, raw in reads if raw.numel() for stat in torch.aminmax(raw)])
     if mask_stats and not _mask_is_binary(values[:3]):
         _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
-    values, clean = values[len(mask_stats):], []
+    values, clean = values[len(mask_stats) :], []
     for name, _, raw in reads:
         clean.append(not raw.numel() or _value_range(name, inputs).holds(values[:2]))
-        values = values[2 if raw.numel() else 0:]
+        values = values[2 if raw.numel() else 0 :]
     if all(clean):
         return clean, None
     valid = raw_mask != 0
@@ -275,7 +294,7 @@ def _check_block(
     filled = [torch.where(valid, raw, _FILL[name]) for name, _, raw in unclean]
     values = _host_read([stat for tensor in filled for stat in torch.aminmax(tensor)])
     for i, (name, full, _) in enumerate(unclean):
-        if not _value_range(name, inputs).holds(values[2 * i:2 * i + 2]):
+        if not _value_range(name, inputs).holds(values[2 * i : 2 * i + 2]):
             where = torch.zeros(full.shape, dtype=torch.bool, device=full.device)
             where[rows] = valid
             _raise_if_invalid(name, full, _value_range(name, inputs), where)
@@ -364,7 +383,9 @@ def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _zero_tail_start(lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
+def _zero_tail_start(
+    lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor
+) -> torch.Tensor:
     """``[B]``: the second-longest length of the group for its unique longest response, else ``T``-like infinity.
 
     The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``).
@@ -384,7 +405,9 @@ def _zero_tail_start(lengths: torch.Tensor, counted: torch.Tensor, group: torch.
 # ---------------------------------------------------------------------------
 
 
-def _sequence_advantages(spec: Estimator, inputs: _Inputs, epsilon: float, baseline_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _sequence_advantages(
+    spec: Estimator, inputs: _Inputs, epsilon: float, baseline_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
@@ -403,7 +426,9 @@ def _sequence_advantages(spec: Estimator, inputs: _Inputs, epsilon: float, basel
     counted = torch.ones(batch_size, dtype=torch.bool, device=device)
     counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
     in_group = counts[inputs.group] >= 2  # [B]
-    baseline = _group_weighted_mean(total_return, weights, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_eps)
+    baseline = _group_weighted_mean(
+        total_return, weights, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_eps
+    )
     advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
     if spec.std_normalize:
         std = _group_std(total_return, counted, inputs.group, inputs.num_groups, counts)
@@ -462,7 +487,9 @@ def _token_advantages(
     scale = None
     if spec.std_normalize:
         std = _group_std(returns[:, 0] if length else lengths.to(dtype), counted, group, inputs.num_groups, counts)
-        scale = torch.where(counts[group] >= 2, _safe_ratio(torch.ones_like(std), std + epsilon), 1.0)  # [B]; 0 if std = ε = 0
+        scale = torch.where(
+            counts[group] >= 2, _safe_ratio(torch.ones_like(std), std + epsilon), 1.0
+        )  # [B]; 0 if std = ε = 0
     group_baseline = None
     if not spec.leave_one_out:
         group_baseline = _safe_ratio(numerator, denominator + baseline_eps) * group_has_baseline[:, None]  # [G, T]
@@ -523,7 +550,13 @@ _TOKEN_INPUTS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights", "cumul
 
 
 def _validate(
-    spec: Estimator, token_level_rewards: Any, response_mask: Any, index: Any, named: dict[str, Any], multi_turn: bool, handle_zero_tail: bool
+    spec: Estimator,
+    token_level_rewards: Any,
+    response_mask: Any,
+    index: Any,
+    named: dict[str, Any],
+    multi_turn: bool,
+    handle_zero_tail: bool,
 ) -> _Inputs:
     rewards = _checks.require_tensor("token_level_rewards", token_level_rewards)
     if rewards.dim() != 2:
@@ -557,18 +590,31 @@ def _validate(
             _raise_if_invalid("grad_norms_sq", value, norms_range, None)
     for name in _REQUIRED.get((spec.granularity, spec.energy), ()):
         if named[name] is None:
-            raise ValueError(f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given")
+            raise ValueError(
+                f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given"
+            )
     if named["rollout_is_weights"] is not None and spec.energy in ("uniform", "exact"):
         raise ValueError(
-            f"rollout_is_weights: scales per-token energies (energy 'length' or 'proxy'); this estimator's energy is {spec.energy!r}"
+            "rollout_is_weights: scales per-token energies (energy 'length' or 'proxy'); "
+            f"this estimator's energy is {spec.energy!r}"
         )
     if spec.granularity == "sequence" and (multi_turn or handle_zero_tail):
         flag = "multi_turn" if multi_turn else "handle_zero_tail"
         raise ValueError(f"{flag}: applies to token-level estimators only; this estimator is sequence-level")
     floating = [rewards] if rewards.is_floating_point() else []
     dtype = _checks.compute_dtype(*floating, *(named[name] for name in _TOKEN_INPUTS + ("grad_norms_sq",)))
-    return _Inputs(rewards, mask, named["old_log_probs"], named["sum_pi_squared"], named["rollout_is_weights"],
-                   named["cumulative_energy"], named["grad_norms_sq"], group, num_groups, dtype)
+    return _Inputs(
+        rewards,
+        mask,
+        named["old_log_probs"],
+        named["sum_pi_squared"],
+        named["rollout_is_weights"],
+        named["cumulative_energy"],
+        named["grad_norms_sq"],
+        group,
+        num_groups,
+        dtype,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -640,7 +686,8 @@ def compute_advantages(
         ``(advantages, returns)``, both ``[B, T]``, fp32, or fp64 if any value
         input (rewards, log-probs, Σπ², energies, IS weights) is fp64; the
         mask's dtype does not matter. Leave-one-out group sums are formed in
-        fp64 whatever the dtype (a row's own term is subtracted from them). ``returns`` is what the baseline is subtracted from: ``G_t``
+        fp64 whatever the dtype (a row's own term is subtracted from them).
+        ``returns`` is what the baseline is subtracted from: ``G_t``
         (token level; the reverse cumulative sum of masked rewards, so a hole
         holds the reward still to come) or ``R m_t`` (sequence level).
         ``advantages`` is zero wherever the mask is 0. Inputs are not modified.
@@ -655,8 +702,11 @@ def compute_advantages(
     """
     spec = _resolve_estimator(estimator, leave_one_out, std_normalize)
     named = {
-        "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "grad_norms_sq": grad_norms_sq,
-        "cumulative_energy": cumulative_energy, "rollout_is_weights": rollout_is_weights,
+        "old_log_probs": old_log_probs,
+        "sum_pi_squared": sum_pi_squared,
+        "grad_norms_sq": grad_norms_sq,
+        "cumulative_energy": cumulative_energy,
+        "rollout_is_weights": rollout_is_weights,
     }
     inputs = _validate(spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail)
     eps = _checks.nonnegative_scalar("epsilon", epsilon)
@@ -686,9 +736,15 @@ def compute_optimal_token_baseline_advantage(
     Returns ``(advantages, returns)``.
     """
     return compute_advantages(
-        "otb", token_level_rewards, response_mask, index,
-        old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights, handle_zero_tail=handle_zero_tail, epsilon=epsilon,
+        "otb",
+        token_level_rewards,
+        response_mask,
+        index,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        handle_zero_tail=handle_zero_tail,
+        epsilon=epsilon,
     )
 
 
@@ -709,8 +765,14 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     See :func:`compute_advantages` (``"otb"``, ``multi_turn=True``).
     """
     return compute_advantages(
-        "otb", token_level_rewards, response_mask, index,
-        old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights, multi_turn=True,
-        handle_zero_tail=handle_zero_tail, epsilon=epsilon,
+        "otb",
+        token_level_rewards,
+        response_mask,
+        index,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        multi_turn=True,
+        handle_zero_tail=handle_zero_tail,
+        epsilon=epsilon,
     )

@@ -76,7 +76,9 @@ def variance_proxy_metrics(
         if name != "response_mask":
             _checks.require_finite(name, value, where=valid)
     if rollout_is_weights is not None:
-        _checks.require_in_range("rollout_is_weights", rollout_is_weights, 0.0, float("inf"), where=valid, rule="must be >= 0")
+        _checks.require_in_range(
+            "rollout_is_weights", rollout_is_weights, 0.0, float("inf"), where=valid, rule="must be >= 0"
+        )
     if grad_norm is not None:
         grad_norm = _checks.nonnegative_scalar("grad_norm", grad_norm)
 

@@ -222,8 +222,13 @@ class _Tape:
         for norm_sq in _own_norms_sq(call, g).values():
             self.total += norm_sq
         call.arrived = True
-        partners = [c for p in _trainable(call.module).values() if id(p) in self.shared
-                    for c, _ in self.shared[id(p)].calls if c is not call]
+        partners = [
+            c
+            for p in _trainable(call.module).values()
+            if id(p) in self.shared
+            for c, _ in self.shared[id(p)].calls
+            if c is not call
+        ]
         if call.kind == "linear" and partners and all(c.kind == "embedding" for c in partners):
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)

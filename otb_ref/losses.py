@@ -24,7 +24,9 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, global_tokens: float, global_sequences: float) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: str, *, global_tokens: float, global_sequences: float
+) -> torch.Tensor:
     """This micro-batch's share of a globally normalised loss (see the module docstring).
 
     Args:

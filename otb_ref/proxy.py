@@ -103,8 +103,7 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
     require_tensor("sum_pi_squared", sum_pi_squared)
     if log_probs.shape != sum_pi_squared.shape:
         raise ValueError(
-            f"sum_pi_squared: shape {tuple(sum_pi_squared.shape)} does not match "
-            f"log_probs {tuple(log_probs.shape)}"
+            f"sum_pi_squared: shape {tuple(sum_pi_squared.shape)} does not match log_probs {tuple(log_probs.shape)}"
         )
     dtype = compute_dtype(log_probs, sum_pi_squared)
     pi_y = torch.exp(log_probs.detach().to(dtype))
@@ -439,7 +438,8 @@ def logprobs_and_sum_pi_squared(
     if fused:
         keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         log_probs, sum_sq = _FusedChunkedLogProbs.apply(
-            flat_hidden, weight, flat_targets, inv_tau, chunk_size, keep_last)
+            flat_hidden, weight, flat_targets, inv_tau, chunk_size, keep_last
+        )
     else:
         log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
     _raise_if_nan("hidden, weight", sum_sq)

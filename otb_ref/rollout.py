@@ -57,8 +57,13 @@ def sampling_uniforms(seed: int, step: int, num_rows: int, max_new_tokens: int) 
     return torch.rand((num_rows, max_new_tokens), generator=generator, dtype=torch.float64)
 
 
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Inverse-CDF sample from ``softmax(logits / τ)`` restricted to the top-p nucleus.
 
     Args:

@@ -28,8 +28,15 @@ import torch
 from otb_ref.advantages import ESTIMATORS, Estimator
 from otb_ref.proxy import token_energy
 
-__all__ = ["returns_to_go", "energies", "group_mean", "sequence_advantages", "token_advantages", "std_scaled",
-           "advantages"]
+__all__ = [
+    "returns_to_go",
+    "energies",
+    "group_mean",
+    "sequence_advantages",
+    "token_advantages",
+    "std_scaled",
+    "advantages",
+]
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -37,8 +44,15 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (rewards * mask).flip(-1).cumsum(-1).flip(-1)
 
 
-def energies(spec: Estimator, mask, old_log_probs=None, sum_pi_squared=None, grad_norms_sq=None,
-             cumulative_energy=None, rollout_is_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+def energies(
+    spec: Estimator,
+    mask,
+    old_log_probs=None,
+    sum_pi_squared=None,
+    grad_norms_sq=None,
+    cumulative_energy=None,
+    rollout_is_weights=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v [B], W [B, T])``: each response's sequence weight and its realized energy at every position."""
     if spec.energy == "uniform":
         return mask.new_ones(mask.shape[0]), torch.ones_like(mask)
@@ -72,8 +86,9 @@ def sequence_advantages(R, v, mask, group, counted, leave_one_out: bool, epsilon
     return (R - b)[:, None] * mask
 
 
-def token_advantages(G, W, mask, group, counted, leave_one_out: bool, epsilon: float,
-                     zero_tail_from: torch.Tensor | None = None) -> torch.Tensor:
+def token_advantages(
+    G, W, mask, group, counted, leave_one_out: bool, epsilon: float, zero_tail_from: torch.Tensor | None = None
+) -> torch.Tensor:
     """``A_it = (G_it − B_it) m_it`` with ``B_it`` the ``m W``-weighted group mean of ``G`` at position t.
     G, W, mask: [B, T] (already aligned: multi-turn callers pass rank-aligned slots); group, counted: [B].
     ``zero_tail_from`` [B]: the baseline is 0 at positions ``≥`` it (``T`` for no zero tail)."""
@@ -111,9 +126,23 @@ def _rank_slots(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), rank, mask.shape[1])
 
 
-def advantages(estimator, rewards, mask, index, *, old_log_probs=None, sum_pi_squared=None, grad_norms_sq=None,
-               cumulative_energy=None, rollout_is_weights=None, leave_one_out=None, std_normalize=None,
-               multi_turn=False, handle_zero_tail=False, epsilon=1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(
+    estimator,
+    rewards,
+    mask,
+    index,
+    *,
+    old_log_probs=None,
+    sum_pi_squared=None,
+    grad_norms_sq=None,
+    cumulative_energy=None,
+    rollout_is_weights=None,
+    leave_one_out=None,
+    std_normalize=None,
+    multi_turn=False,
+    handle_zero_tail=False,
+    epsilon=1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages`` (fp64)."""
     spec = ESTIMATORS[estimator] if isinstance(estimator, str) else estimator
     loo = spec.leave_one_out if leave_one_out is None else leave_one_out
@@ -125,8 +154,14 @@ def advantages(estimator, rewards, mask, index, *, old_log_probs=None, sum_pi_sq
     eps = epsilon if spec.energy in ("proxy", "exact") else 0.0
     lengths = mask.sum(dim=-1).long()  # [B]
     counted = (lengths > 0).double() if multi_turn else torch.ones_like(rewards[:, 0])
-    v, W = energies(spec, mask, *(None if x is None else x.double() for x in (
-        old_log_probs, sum_pi_squared, grad_norms_sq, cumulative_energy, rollout_is_weights)))
+    v, W = energies(
+        spec,
+        mask,
+        *(
+            None if x is None else x.double()
+            for x in (old_log_probs, sum_pi_squared, grad_norms_sq, cumulative_energy, rollout_is_weights)
+        ),
+    )
     G = returns_to_go(rewards, mask)  # [B, T]
     R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
     if spec.granularity == "sequence":

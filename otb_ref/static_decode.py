@@ -97,10 +97,33 @@ def _triton_decode_attention():
             return None
 
         @triton.jit
-        def kernel(q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, scale, span,
-                   sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, so_b, so_h, so_g,
-                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                   BLOCK: tl.constexpr):
+        def kernel(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            valid_ptr,
+            out_ptr,
+            scale,
+            span,
+            sq_b,
+            sq_h,
+            sq_g,
+            sk_b,
+            sk_h,
+            sk_l,
+            sv_b,
+            sv_h,
+            sv_l,
+            sm_b,
+            so_b,
+            so_h,
+            so_g,
+            GROUP: tl.constexpr,
+            GROUP_P: tl.constexpr,
+            DIM: tl.constexpr,
+            DIM_P: tl.constexpr,
+            BLOCK: tl.constexpr,
+        ):
             # One program per (row, KV head): its GROUP queries against slots [0, span), online softmax in fp32.
             b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
             g, d = tl.arange(0, GROUP_P), tl.arange(0, DIM_P)
@@ -132,8 +155,15 @@ def _triton_decode_attention():
     return _TRITON_KERNEL or None
 
 
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     span: int, scale: float, backend: str = "auto") -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    span: int,
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Attention of one new token per row over cache slots ``[0, span)``, grouped-query.
 
     Args:
@@ -165,9 +195,26 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     small = group_p * dim_p <= 64
     block, warps = (32, 1) if small else (max(16, min(128, 4096 // (group_p * dim_p))), 4)
     valid = valid.view(torch.uint8)
-    kernel[(batch, kv_heads)](query, keys, values, valid, out, scale, span, *query.stride()[:3], *keys.stride()[:3],
-                              *values.stride()[:3], valid.stride(0), *out.stride()[:3],
-                              GROUP=group, GROUP_P=group_p, DIM=dim, DIM_P=dim_p, BLOCK=block, num_warps=warps)
+    kernel[(batch, kv_heads)](
+        query,
+        keys,
+        values,
+        valid,
+        out,
+        scale,
+        span,
+        *query.stride()[:3],
+        *keys.stride()[:3],
+        *values.stride()[:3],
+        valid.stride(0),
+        *out.stride()[:3],
+        GROUP=group,
+        GROUP_P=group_p,
+        DIM=dim,
+        DIM_P=dim_p,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return out
 
 
@@ -192,8 +239,16 @@ class StaticKVDecoder:
     of decode calls is not read. Build one decoder per ``generate`` call.
     """
 
-    def __init__(self, prefill: Callable, lm: nn.Module, max_new_tokens: int, *,
-                 cuda_graphs: bool | None = None, buckets: int = 8, attention: str = "auto"):
+    def __init__(
+        self,
+        prefill: Callable,
+        lm: nn.Module,
+        max_new_tokens: int,
+        *,
+        cuda_graphs: bool | None = None,
+        buckets: int = 8,
+        attention: str = "auto",
+    ):
         reason = static_decode_unsupported(lm)
         if reason is not None:
             raise ValueError(f"lm: static decoding does not support this model: {reason}")
@@ -244,8 +299,10 @@ class StaticKVDecoder:
         except ImportError:  # torch built without distributed
             return
         if any(isinstance(p, DTensor) for p in self.lm.parameters()):
-            raise RuntimeError("StaticKVDecoder: the parameters are sharded DTensors; decode inside "
-                               "parallel.gathered_for_generation (the prefill gathers them)")
+            raise RuntimeError(
+                "StaticKVDecoder: the parameters are sharded DTensors; decode inside "
+                "parallel.gathered_for_generation (the prefill gathers them)"
+            )
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Write the inputs into the static buffers and run (or replay) the step for the current bucket."""
@@ -306,6 +363,7 @@ class StaticKVDecoder:
         kv_heads = key.shape[1]
         query = query.reshape(batch, kv_heads, -1, head_dim)  # query head h uses KV head h // (H / H_kv)
         scale = getattr(attn, "scaling", head_dim**-0.5)
-        out = decode_attention(query, self.keys[layer], self.values[layer], self.kv_valid, span, scale,
-                               self.attention_backend)  # [B, H_kv, H / H_kv, D]
+        out = decode_attention(
+            query, self.keys[layer], self.values[layer], self.kv_valid, span, scale, self.attention_backend
+        )  # [B, H_kv, H / H_kv, D]
         return attn.o_proj(out.reshape(batch, 1, -1))

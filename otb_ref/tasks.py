@@ -154,7 +154,8 @@ def math_reward(response: str, answer: str) -> float:
 
 
 def copy_reward(response: str, answer: str) -> float:
-    """``#{i : response[i] == answer[i]} / max(len(response), len(answer))``, halved when the lengths differ; in ``[0, 1]``.
+    """``#{i : response[i] == answer[i]} / max(len(response), len(answer))``,
+    halved when the lengths differ; in ``[0, 1]``.
 
     The halving makes stopping at the right length pay: without it, "first
     digit, then EOS" is a local optimum that RL from scratch often settles in.

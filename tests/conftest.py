@@ -25,8 +25,9 @@ settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=Tr
 settings.register_profile("dev", max_examples=60, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 # tools/mutations.py: CI's examples, no shrinking (a mutant fails many tests; only whether they fail matters).
-settings.register_profile("mutations", max_examples=25, derandomize=True, phases=[Phase.explicit, Phase.generate],
-                          **_common)
+settings.register_profile(
+    "mutations", max_examples=25, derandomize=True, phases=[Phase.explicit, Phase.generate], **_common
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
@@ -75,7 +76,7 @@ def _cited_facts(root: Path) -> dict[str, set[str]]:
     cited: dict[str, set[str]] = {}
     for proof in sorted((root / "proofs").glob("F[1-7]_*.md")):
         text = proof.read_text(encoding="utf-8")
-        section = text[text.find("## Checked by"):] if "## Checked by" in text else ""
+        section = text[text.find("## Checked by") :] if "## Checked by" in text else ""
         for line in section.splitlines():
             _citations(line, proof.name[:2].lower(), cited)
     theory = root / "docs" / "THEORY.md"

@@ -45,11 +45,13 @@ def main() -> None:
                 lm.config.tie_word_embeddings = True
             lm = lm.double().eval()
             ids, attention, positions, response, mask = batch(lm.config.vocab_size)
-            reference = train.sequence_norms(train.Policy(copy.deepcopy(lm), 1.0, None), ids, attention, positions,
-                                             response, mask)
+            reference = train.sequence_norms(
+                train.Policy(copy.deepcopy(lm), 1.0, None), ids, attention, positions, response, mask
+            )
             layers = [m for m in lm.modules() if type(m).__name__ in lm._no_split_modules]
-            policy = parallel.shard(train.Policy(lm, 1.0, None), layers, env, bf16=False,
-                                    activation_checkpointing=checkpointing)
+            policy = parallel.shard(
+                train.Policy(lm, 1.0, None), layers, env, bf16=False, activation_checkpointing=checkpointing
+            )
             rows = slice(env.rank * 4, env.rank * 4 + 4)
             mine = train.sequence_norms(policy, ids[rows], attention[rows], positions[rows], response[rows], mask[rows])
             gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
@@ -59,7 +61,9 @@ def main() -> None:
             log_probs, _ = policy(ids[rows], attention[rows], positions[rows], targets=response[rows])
             (log_probs * mask[rows]).sum().backward()
             results[f"tied={tied},checkpointing={checkpointing}"] = {
-                "sharded": torch.cat(gathered).tolist(), "reference": reference.tolist(), "grads_set": grads_set,
+                "sharded": torch.cat(gathered).tolist(),
+                "reference": reference.tolist(),
+                "grads_set": grads_set,
                 "backward_after": all(p.grad is not None for p in policy.parameters()),
             }
     if env.is_main:

@@ -88,7 +88,9 @@ def rollout_batches(
     log_probs, sum_sq = _consistent_probabilities(rng, mask.shape, int(rng.integers(2, 6)), uniform_mix)
     use_strings = draw(st.booleans()) if string_ids is None else string_ids
     labels = rng.permutation(num_groups * 7)[:num_groups]
-    index = [f"prompt-{labels[g]}" if use_strings else int(labels[g]) for g in range(num_groups) for _ in range(sizes[g])]
+    index = [
+        f"prompt-{labels[g]}" if use_strings else int(labels[g]) for g in range(num_groups) for _ in range(sizes[g])
+    ]
     order = rng.permutation(batch)  # groups interleaved, as after shuffling
     t = lambda x: torch.tensor(np.asarray(x)[order], dtype=torch.float64)  # noqa: E731
     return RolloutBatch(
@@ -128,7 +130,15 @@ class PolicyCase:
 
 
 @st.composite
-def policy_cases(draw, kinds=("tree", "shared"), max_vocab: int = 4, max_horizon: int = 4, outcome=None, eos=None, max_responses: int = 400):
+def policy_cases(
+    draw,
+    kinds=("tree", "shared"),
+    max_vocab: int = 4,
+    max_horizon: int = 4,
+    outcome=None,
+    eos=None,
+    max_responses: int = 400,
+):
     """A tree or shared policy (vocab 2..max_vocab with EOS, horizon 1..max_horizon) with outcome or dense rewards."""
     from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
 
@@ -136,7 +146,7 @@ def policy_cases(draw, kinds=("tree", "shared"), max_vocab: int = 4, max_horizon
     use_eos = draw(st.booleans()) if eos is None else eos
     vocab = draw(st.integers(2, max_vocab))
     horizon = draw(st.integers(1, max_horizon))
-    while (vocab ** horizon if not use_eos else vocab * (vocab - 1) ** max(horizon - 1, 0) + horizon) > max_responses:
+    while (vocab**horizon if not use_eos else vocab * (vocab - 1) ** max(horizon - 1, 0) + horizon) > max_responses:
         horizon -= 1
     horizon = max(horizon, 1)
     seed = draw(st.integers(0, 2**31 - 1))

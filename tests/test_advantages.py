@@ -1,15 +1,13 @@
 """Every estimator and option of ``compute_advantages`` against the loop oracle (F7, §3, §4)."""
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
-from otb_ref import ESTIMATORS, Estimator, compute_advantages
 from reference import reference_advantages
 from strategies import rollout_batches
+
+from otb_ref import ESTIMATORS, Estimator, compute_advantages
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
@@ -34,7 +32,9 @@ def _run_both(name, batch, **flags):
 @given(rollout_batches(), st.sampled_from(SEQUENCE), st.booleans(), st.booleans())
 def test_sequence_estimators_match_loop(batch, name, leave_one_out, std_normalize):
     """Sequence-level estimators equal the loop oracle for every flag combination."""
-    (adv, ret), (want_adv, want_ret) = _run_both(name, batch, leave_one_out=leave_one_out, std_normalize=std_normalize, **_STD_EPS[std_normalize])
+    (adv, ret), (want_adv, want_ret) = _run_both(
+        name, batch, leave_one_out=leave_one_out, std_normalize=std_normalize, **_STD_EPS[std_normalize]
+    )
     torch.testing.assert_close(adv, want_adv, **TOL)
     torch.testing.assert_close(ret, want_ret, **TOL)
 
@@ -42,13 +42,24 @@ def test_sequence_estimators_match_loop(batch, name, leave_one_out, std_normaliz
 @given(rollout_batches(), st.sampled_from(TOKEN), st.booleans(), st.booleans(), st.booleans(), st.booleans())
 def test_token_estimators_match_loop(batch, name, leave_one_out, multi_turn, handle_zero_tail, std_normalize):
     """Token-level estimators equal the loop oracle, incl. multi-turn alignment and the zero tail."""
-    flags = dict(leave_one_out=leave_one_out, multi_turn=multi_turn, handle_zero_tail=handle_zero_tail, std_normalize=std_normalize)
+    flags = dict(
+        leave_one_out=leave_one_out,
+        multi_turn=multi_turn,
+        handle_zero_tail=handle_zero_tail,
+        std_normalize=std_normalize,
+    )
     (adv, ret), (want_adv, want_ret) = _run_both(name, batch, **flags, **_STD_EPS[std_normalize])
     torch.testing.assert_close(adv, want_adv, **TOL)
     torch.testing.assert_close(ret, want_ret, **TOL)
 
 
-@given(rollout_batches(), st.sampled_from(["opo", "sequence_proxy", "token_length", "otb"]), st.booleans(), st.booleans(), st.booleans())
+@given(
+    rollout_batches(),
+    st.sampled_from(["opo", "sequence_proxy", "token_length", "otb"]),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
 def test_rollout_is_weights_match_loop(batch, name, leave_one_out, multi_turn, handle_zero_tail):
     """IS weights scale per-token energies by ρ̄² before summing (§4), with every flag."""
     flags = dict(leave_one_out=leave_one_out)
@@ -81,7 +92,8 @@ def test_fp32_matches_loop(batch, name, leave_one_out, with_is):
 def test_leave_one_out_with_a_dominant_row_in_fp32():
     """One response's weight dwarfs the other's: the leave-one-out baseline must still be the other's return.
 
-    Regression: group sums minus the own term in fp32 lost the small row entirely (baseline 3051.8 for returns 0.7 and 2).
+    Regression: group sums minus the own term in fp32 lost the small row entirely
+    (baseline 3051.8 for returns 0.7 and 2).
     """
     length = 1000
     rewards = torch.zeros(2, length)
@@ -92,8 +104,14 @@ def test_leave_one_out_with_a_dominant_row_in_fp32():
     rho[1] = 1.24e-4
     for dtype in (torch.float32, torch.float64):
         adv, ret = compute_advantages(
-            "sequence_proxy", rewards.to(dtype), mask, [0, 0], old_log_probs=half.log().to(dtype),
-            sum_pi_squared=half.to(dtype), rollout_is_weights=rho.to(dtype), leave_one_out=True,
+            "sequence_proxy",
+            rewards.to(dtype),
+            mask,
+            [0, 0],
+            old_log_probs=half.log().to(dtype),
+            sum_pi_squared=half.to(dtype),
+            rollout_is_weights=rho.to(dtype),
+            leave_one_out=True,
         )
         # Row 0's baseline is row 1's return weighted by v_1 / (v_1 + ε), v_1 = 1000 · 0.5 · 1.24e-4².
         v1 = length * 0.5 * 1.24e-4**2
@@ -121,7 +139,9 @@ def test_uniform_token_baseline_with_equal_lengths_is_grpo_mean(batch):
 @given(rollout_batches(max_group_size=1), st.sampled_from(sorted(ESTIMATORS)), st.booleans())
 def test_groups_of_one_get_the_return(batch, name, leave_one_out):
     """N = 1: no baseline, advantage = return (G_t for token level, R for sequence level)."""
-    adv, ret = compute_advantages(name, batch.rewards, batch.mask, batch.index, leave_one_out=leave_one_out, **batch.inputs)
+    adv, ret = compute_advantages(
+        name, batch.rewards, batch.mask, batch.index, leave_one_out=leave_one_out, **batch.inputs
+    )
     torch.testing.assert_close(adv, ret * batch.mask, rtol=0, atol=0)
 
 
@@ -160,7 +180,13 @@ def test_index_forms_agree(batch):
     import numpy as np
 
     ids = torch.tensor(batch.index)
-    forms = [batch.index, np.array(batch.index), ids, [f"id{i}" for i in batch.index], np.array([f"s{i}" for i in batch.index])]
+    forms = [
+        batch.index,
+        np.array(batch.index),
+        ids,
+        [f"id{i}" for i in batch.index],
+        np.array([f"s{i}" for i in batch.index]),
+    ]
     results = [compute_advantages("otb", batch.rewards, batch.mask, f, **batch.inputs)[0] for f in forms]
     for other in results[1:]:
         assert torch.equal(results[0], other)
@@ -173,7 +199,9 @@ def test_group_order_does_not_matter(batch, name):
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(B))
     adv, _ = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs)
     permuted = {k: v[perm] for k, v in batch.inputs.items()}
-    adv_p, _ = compute_advantages(name, batch.rewards[perm], batch.mask[perm], [batch.index[i] for i in perm], **permuted)
+    adv_p, _ = compute_advantages(
+        name, batch.rewards[perm], batch.mask[perm], [batch.index[i] for i in perm], **permuted
+    )
     torch.testing.assert_close(adv_p, adv[perm], **TOL)
 
 
@@ -182,8 +210,14 @@ def test_dtypes_fp32_computation_and_fp64_preserved():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
     lp, sps = torch.full((3, 2), -0.5), torch.full((3, 2), 0.5)
-    for dtype, want in [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64)]:
-        adv, ret = compute_advantages("otb", rewards.to(dtype), mask, [0, 0, 0], old_log_probs=lp.to(dtype), sum_pi_squared=sps.to(dtype))
+    for dtype, want in [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ]:
+        adv, ret = compute_advantages(
+            "otb", rewards.to(dtype), mask, [0, 0, 0], old_log_probs=lp.to(dtype), sum_pi_squared=sps.to(dtype)
+        )
         assert adv.dtype == want and ret.dtype == want
     adv, _ = compute_advantages("grpo", rewards.long(), mask.bool(), [0, 0, 1])
     assert adv.dtype == torch.float32

@@ -10,7 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_command_quick():
     """`python benchmarks/run.py --quick` prints one JSON line per measurement, with the ratio fields."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick"], check=True, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     otb = [r for r in records if r["bench"] == "otb"]
     proxy = [r for r in records if r["bench"] == "proxy"]
@@ -29,7 +35,11 @@ def test_gpu_flag_without_cuda_is_one_clear_line():
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: `run.py --gpu --quick` is exercised on the GPU machine")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--gpu", "--quick"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--gpu", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and out.stdout == ""
     assert out.stderr.strip().startswith("--gpu: CUDA is not available") and len(out.stderr.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_train_paths.py --quick runs every code path on CPU and prints its JSON records (no timing asserted)."""
+"""benchmarks/gpu_train_paths.py --quick runs every code path on CPU and prints its JSON records
+(no timing asserted)."""
 
 import json
 import subprocess

@@ -27,9 +27,17 @@ CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 
 def tiny_lm(family: str, tied: bool, seed: int = 0, **extra) -> nn.Module:
     torch.manual_seed(seed)
-    config = CONFIGS[family](vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=tied, **extra)
+    config = CONFIGS[family](
+        vocab_size=29,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **extra,
+    )
     return AutoModelForCausalLM.from_config(config).double()
 
 
@@ -285,22 +293,35 @@ def test_trainer_sequence_norms_equal_exact_on_left_padded_rows():
 def test_fsdp2_two_ranks_with_and_without_activation_checkpointing(tmp_path):
     """torchrun, 2 gloo ranks: each rank's rows of a sharded policy give the unsharded norms; no .grad set."""
     out = tmp_path / "fsdp.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / "fsdp_grad_norms_worker.py"), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests" / "fsdp_grad_norms_worker.py"),
+        str(out),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert len(results) == 4
     for case, result in results.items():
-        torch.testing.assert_close(torch.tensor(result["sharded"]), torch.tensor(result["reference"]),
-                                   rtol=1e-6, atol=0, msg=case)
+        torch.testing.assert_close(
+            torch.tensor(result["sharded"]), torch.tensor(result["reference"]), rtol=1e-6, atol=0, msg=case
+        )
         assert not result["grads_set"] and result["backward_after"], case
 
 
 def test_benchmark_command_quick():
     """`python benchmarks/grad_norms.py --quick` prints a record per case whose one-pass norms agree with the loop."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grad_norms.py"), "--quick"], check=True,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "grad_norms.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(records) == 1 and "error" not in records[0]
     record = records[0]

@@ -29,8 +29,10 @@ class _CountSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in _SYNCING or (name == "index" and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else []))):
+        if name in _SYNCING or (
+            name == "index"
+            and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else []))
+        ):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -67,8 +69,14 @@ def test_value_checks_take_one_host_read(monkeypatch, estimator):
     rewards, mask, log_probs, sum_sq = _batch()
     index = torch.arange(8) // 4
     run = lambda ids: compute_advantages(  # noqa: E731
-        estimator, rewards, mask, ids, old_log_probs=log_probs, sum_pi_squared=sum_sq,
-        rollout_is_weights=torch.ones(8, 12) if estimator == "token_length" else None)
+        estimator,
+        rewards,
+        mask,
+        ids,
+        old_log_probs=log_probs,
+        sum_pi_squared=sum_sq,
+        rollout_is_weights=torch.ones(8, 12) if estimator == "token_length" else None,
+    )
     as_list = index.tolist()
     assert _count(monkeypatch, lambda: run(as_list)) == {"tolist": 1}
     assert _count(monkeypatch, lambda: run(index)) == {"tolist": 1, "_unique2": 1}
@@ -79,16 +87,19 @@ def test_exact_energies_take_one_more_read_for_grad_norms(monkeypatch):
     index = [0] * 4 + [1] * 4
     ops = _count(monkeypatch, lambda: compute_advantages("eob", rewards, mask, index, grad_norms_sq=torch.ones(8)))
     assert ops == {"tolist": 2}
-    ops = _count(monkeypatch, lambda: compute_advantages(
-        "otb_exact", rewards, mask, index, cumulative_energy=torch.ones(8, 12)))
+    ops = _count(
+        monkeypatch, lambda: compute_advantages("otb_exact", rewards, mask, index, cumulative_energy=torch.ones(8, 12))
+    )
     assert ops == {"tolist": 1}
 
 
 def test_garbage_off_the_mask_takes_a_second_read(monkeypatch):
     """NaN where the mask is 0 is legal; locating it costs one more read (still no per-value syncs)."""
     rewards, mask, log_probs, sum_sq = _batch(garbage_off_mask=True)
-    ops = _count(monkeypatch, lambda: compute_advantages(
-        "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq))
+    ops = _count(
+        monkeypatch,
+        lambda: compute_advantages("otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq),
+    )
     assert ops == {"tolist": 2}
 
 
@@ -96,6 +107,8 @@ def test_row_blocks_read_once_per_block(monkeypatch):
     """The CPU path reads per row block (data in cache); accelerators have one block."""
     rewards, mask, log_probs, sum_sq = _batch()
     monkeypatch.setattr(otb_ref.advantages, "_CPU_BLOCK_ELEMENTS", 12 * 2)  # 2 rows per block: 4 blocks
-    ops = _count(monkeypatch, lambda: compute_advantages(
-        "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq))
+    ops = _count(
+        monkeypatch,
+        lambda: compute_advantages("otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq),
+    )
     assert ops == {"tolist": 4}

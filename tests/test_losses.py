@@ -22,12 +22,16 @@ def test_aggregation_formulas():
     tokens, seqs = float(m.sum()), float(mask.shape[0])
     norm = dict(global_tokens=tokens, global_sequences=seqs)
     assert float(aggregate(values, mask, "token-mean", **norm)) == pytest.approx(float((values * m).sum() / tokens))
-    assert float(aggregate(values, mask, "seq-mean-token-sum", **norm)) == pytest.approx(float((values * m).sum(1).sum() / seqs))
+    assert float(aggregate(values, mask, "seq-mean-token-sum", **norm)) == pytest.approx(
+        float((values * m).sum(1).sum() / seqs)
+    )
     per_seq = (values * m).sum(1) / m.sum(1)
     assert float(aggregate(values, mask, "seq-mean-token-mean", **norm)) == pytest.approx(float(per_seq.mean()))
     values_with_nan = torch.where(mask, values, math.nan)  # masked entries are ignored, whatever they hold
     for mode in AGGREGATIONS:
-        assert float(aggregate(values_with_nan, mask, mode, **norm)) == pytest.approx(float(aggregate(values, mask, mode, **norm)))
+        assert float(aggregate(values_with_nan, mask, mode, **norm)) == pytest.approx(
+            float(aggregate(values, mask, mode, **norm))
+        )
     with pytest.raises(ValueError, match="mode"):
         aggregate(values, mask, "mean", **norm)
 
@@ -62,7 +66,9 @@ def test_clipping_stops_the_gradient_beyond_the_trust_region():
     advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
     log_probs = log_ratio.clone().requires_grad_(True)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, stats = clipped_policy_loss(log_probs, old, advantages, mask, clip_low=0.2, clip_high=0.3, global_tokens=4.0, global_sequences=1.0)
+    loss, stats = clipped_policy_loss(
+        log_probs, old, advantages, mask, clip_low=0.2, clip_high=0.3, global_tokens=4.0, global_sequences=1.0
+    )
     # ratio 1.5, A>0: clipped at 1.3 (no gradient); ratio 1.5, A<0: unclipped (pessimistic) term;
     # ratio 0.5, A>0: unclipped; ratio 0.5, A<0: clipped at 0.8 (no gradient).
     expected = (-1.3 + 1.5 - 0.5 + 0.8) / 4

@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import logits_tensors
 
 from otb_ref import logprobs_and_sum_pi_squared, sum_pi_squared, token_energy
-from strategies import logits_tensors
 
 # fp64 identities hold to rounding: a few ulps of quantities of size <= 2.
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -23,7 +23,9 @@ def _naive(hidden, weight, targets, temperature=1.0):
 @given(logits_tensors(), st.data(), st.sampled_from([1.0, 0.7, 1.6]))
 def test_logit_gradient_identity(logits, data, temperature):
     """||∇_u log softmax(u/τ)_y||² · τ² = 1 − 2π_y + Σπ² (autograd vs the formula)."""
-    y = torch.tensor(data.draw(st.lists(st.integers(0, logits.shape[1] - 1), min_size=logits.shape[0], max_size=logits.shape[0])))
+    y = torch.tensor(
+        data.draw(st.lists(st.integers(0, logits.shape[1] - 1), min_size=logits.shape[0], max_size=logits.shape[0]))
+    )
     u = logits.clone().requires_grad_(True)
     log_probs = torch.log_softmax(u / temperature, -1).gather(-1, y[:, None]).squeeze(-1)
     (grad,) = torch.autograd.grad(log_probs.sum(), u)  # rows are independent
@@ -104,8 +106,12 @@ def test_lm_head_identity(rows, d, vocab, seed):
 
 
 @given(
-    st.integers(1, 40), st.integers(1, 8), st.integers(1, 30), st.integers(1, 50),
-    st.sampled_from([1.0, 0.6]), st.integers(0, 2**31 - 1),
+    st.integers(1, 40),
+    st.integers(1, 8),
+    st.integers(1, 30),
+    st.integers(1, 50),
+    st.sampled_from([1.0, 0.6]),
+    st.integers(0, 2**31 - 1),
 )
 def test_chunked_equals_naive_values_and_gradients_fp64(n, d, vocab, chunk_size, temperature, seed):
     """Chunked log-probs, Σπ² and both gradients equal the full-logits computation (fp64)."""
@@ -174,12 +180,31 @@ def test_chunked_only_one_input_needs_grad():
     "kwargs,name",
     [
         (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 3), targets=torch.zeros(3, dtype=torch.long)), "hidden"),
-        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4).double(), targets=torch.zeros(3, dtype=torch.long)), "weight"),
+        (
+            dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4).double(), targets=torch.zeros(3, dtype=torch.long)),
+            "weight",
+        ),
         (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(2, dtype=torch.long)), "targets"),
         (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.full((3,), 5)), "targets"),
         (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3)), "targets"),
-        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3, dtype=torch.long), chunk_size=0), "chunk_size"),
-        (dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), targets=torch.zeros(3, dtype=torch.long), temperature=-1), "temperature"),
+        (
+            dict(
+                hidden=torch.randn(3, 4),
+                weight=torch.randn(5, 4),
+                targets=torch.zeros(3, dtype=torch.long),
+                chunk_size=0,
+            ),
+            "chunk_size",
+        ),
+        (
+            dict(
+                hidden=torch.randn(3, 4),
+                weight=torch.randn(5, 4),
+                targets=torch.zeros(3, dtype=torch.long),
+                temperature=-1,
+            ),
+            "temperature",
+        ),
     ],
 )
 def test_chunked_rejects_bad_input(kwargs, name):

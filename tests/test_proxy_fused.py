@@ -31,8 +31,12 @@ def _inputs(n, d, vocab, seed, dtype=torch.float32):
 
 
 @given(
-    st.integers(1, 40), st.integers(1, 8), st.integers(1, 50), st.integers(1, 50),
-    st.sampled_from([1.0, 0.6, 1.7]), st.integers(0, 2**31 - 1),
+    st.integers(1, 40),
+    st.integers(1, 8),
+    st.integers(1, 50),
+    st.integers(1, 50),
+    st.sampled_from([1.0, 0.6, 1.7]),
+    st.integers(0, 2**31 - 1),
 )
 def test_fused_equals_eager_fp32(n, d, vocab, chunk_size, temperature, seed):
     """fp32: values bit-equal (the same operations); gradients equal to fp32 rounding.
@@ -178,7 +182,7 @@ def test_fused_saves_no_logits_for_backward():
 
 
 def test_implementation_choice():
-    """"auto" is fused only on CUDA (with Triton); fp64 is always eager; unknown names are rejected."""
+    """ "auto" is fused only on CUDA (with Triton); fp64 is always eager; unknown names are rejected."""
     cpu = torch.zeros(2, 3)
     assert not proxy._use_fused("auto", cpu)
     assert proxy._use_fused("fused", cpu) and not proxy._use_fused("eager", cpu)

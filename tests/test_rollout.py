@@ -82,7 +82,10 @@ def test_generate_is_invariant_to_how_rows_are_split():
     uniforms = sampling_uniforms(3, 5, num_rows=4, max_new_tokens=10)
     kwargs = dict(eos_token_ids=[1, 5], pad_token_id=0, max_new_tokens=10, temperature=0.8, top_p=0.9)
     whole = generate(ToyLM(), prompt_ids, prompt_mask, uniforms, **kwargs)
-    halves = [generate(ToyLM(), prompt_ids[r], prompt_mask[r], uniforms[r], keep_going=lambda alive: True, **kwargs) for r in (slice(0, 2), slice(2, 4))]
+    halves = [
+        generate(ToyLM(), prompt_ids[r], prompt_mask[r], uniforms[r], keep_going=lambda alive: True, **kwargs)
+        for r in (slice(0, 2), slice(2, 4))
+    ]
     for r, half in zip((slice(0, 2), slice(2, 4)), halves):
         t = half.response_ids.shape[1]
         assert t == 10  # keep_going=True: ran to max_new_tokens, as a rank waiting for others does
@@ -99,7 +102,16 @@ def test_generate_respects_max_new_tokens_and_keep_going():
     out = generate(lm, prompt_ids, prompt_mask, uniforms, eos_token_ids=[99], pad_token_id=0, max_new_tokens=3)
     assert out.response_ids.shape == (4, 3) and out.response_mask.all() and not out.finished.any()
     assert lm.calls == 3  # prompt + 2 decoding calls; the last sampled token needs no forward
-    stopped = generate(ToyLM(), prompt_ids, prompt_mask, uniforms, eos_token_ids=[99], pad_token_id=0, max_new_tokens=3, keep_going=lambda alive: False)
+    stopped = generate(
+        ToyLM(),
+        prompt_ids,
+        prompt_mask,
+        uniforms,
+        eos_token_ids=[99],
+        pad_token_id=0,
+        max_new_tokens=3,
+        keep_going=lambda alive: False,
+    )
     assert stopped.response_ids.shape == (4, 1)
 
 
@@ -271,8 +283,15 @@ def test_ranks_in_lockstep_stop_together_with_check_every_k():
 
         def rank_main(rank, rows):
             keep = functools.partial(all_reduce_any, rank)
-            results[rank] = generate(ToyLM(), prompt_ids[rows], prompt_mask[rows], uniforms[rows], keep_going=keep,
-                                     check_every=check_every, **kwargs)
+            results[rank] = generate(
+                ToyLM(),
+                prompt_ids[rows],
+                prompt_mask[rows],
+                uniforms[rows],
+                keep_going=keep,
+                check_every=check_every,
+                **kwargs,
+            )
 
         threads = [threading.Thread(target=rank_main, args=(r, slice(2 * r, 2 * r + 2))) for r in (0, 1)]
         for thread in threads:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import rollout_batches
 
 from otb_ref import ESTIMATORS, compute_advantages, spec
-from strategies import rollout_batches
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 # Both fp64; they differ in summation order (blocked segment sums vs one index_add) and in where the
@@ -14,13 +14,26 @@ pytestmark = pytest.mark.usefixtures("row_blocking")
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
-@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)), st.booleans(), st.booleans(), st.booleans(),
-       st.booleans(), st.booleans(), st.sampled_from([0.0, 1e-8, 1e-4]))
+@given(
+    rollout_batches(),
+    st.sampled_from(sorted(ESTIMATORS)),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([0.0, 1e-8, 1e-4]),
+)
 def test_spec_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, with_is, epsilon):
     """Every estimator, every flag: the plain form and the fast path give the same advantages and returns."""
     token = ESTIMATORS[name].granularity == "token"
-    flags = dict(leave_one_out=leave_one_out, std_normalize=std_normalize, epsilon=1e-4 if std_normalize else epsilon,
-                 multi_turn=multi_turn and token, handle_zero_tail=zero_tail and token)
+    flags = dict(
+        leave_one_out=leave_one_out,
+        std_normalize=std_normalize,
+        epsilon=1e-4 if std_normalize else epsilon,
+        multi_turn=multi_turn and token,
+        handle_zero_tail=zero_tail and token,
+    )
     inputs = dict(batch.inputs)
     if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
         inputs["rollout_is_weights"] = batch.rollout_is_weights

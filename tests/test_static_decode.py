@@ -13,14 +13,22 @@ from otb_ref.static_decode import StaticKVDecoder, decode_attention, static_deco
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=40,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def tiny_lm(kind: str):
     """A random-init tiny causal LM of a supported family (grouped-query attention, 2 query heads per KV head)."""
-    config = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-              "qwen3": transformers.Qwen3Config}[kind](**SMALL)
+    config = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[
+        kind
+    ](**SMALL)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -29,8 +37,13 @@ def model_forward(lm):
     """The model's own ForwardFn (as train.Policy computes it, without FSDP)."""
 
     def forward(input_ids, attention_mask, position_ids, cache):
-        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=cache, use_cache=True)
+        out = lm.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
         return (out.last_hidden_state[:, -1] @ lm.get_output_embeddings().weight.T).float(), out.past_key_values
 
     return forward
@@ -98,7 +111,8 @@ def test_unsupported_models_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="^lm: static decoding does not support"):
         StaticKVDecoder(model_forward(gpt2), gpt2, 4)
     sliding = transformers.AutoModelForCausalLM.from_config(
-        transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0))
+        transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    )
     assert static_decode_unsupported(sliding) is not None
     assert static_decode_unsupported(tiny_lm("qwen2")) is None
 

@@ -33,7 +33,17 @@ def test_extract_answer(text, expected):
 
 @pytest.mark.parametrize(
     "a, b",
-    [("1,000", "1000"), ("2.50", "2.5"), ("$7$", "7"), ("007", "7"), ("-0", "0"), ("+3", "3"), ("5.", "5"), (" 12 ", "12"), ("\\text{yes}", "yes")],
+    [
+        ("1,000", "1000"),
+        ("2.50", "2.5"),
+        ("$7$", "7"),
+        ("007", "7"),
+        ("-0", "0"),
+        ("+3", "3"),
+        ("5.", "5"),
+        (" 12 ", "12"),
+        ("\\text{yes}", "yes"),
+    ],
 )
 def test_normalize_answer_equivalences(a, b):
     assert normalize_answer(a) == normalize_answer(b)
@@ -60,7 +70,9 @@ def test_copy_reward_grades_positions_and_halves_wrong_lengths():
 
 def test_synthetic_problems_are_pure_functions_of_seed_and_index():
     assert synthetic_problem("copy", 3, 17) == synthetic_problem("copy", 3, 17)
-    assert synthetic_problem("copy", 3, 17) != synthetic_problem("copy", 4, 17) or synthetic_problem("copy", 3, 18) != synthetic_problem("copy", 4, 18)
+    assert synthetic_problem("copy", 3, 17) != synthetic_problem("copy", 4, 17) or synthetic_problem(
+        "copy", 3, 18
+    ) != synthetic_problem("copy", 4, 18)
     for index in range(50):
         prompt, answer = synthetic_problem("copy", 0, index)
         assert len(prompt) == 5 and prompt.endswith("=") and prompt[:-1].rstrip() == answer and 1 <= len(answer) <= 4

@@ -27,10 +27,25 @@ TINY = ["--prompts-per-step", "4", "--group-size", "4"]
 # gradients are not trivially zero (an untrained policy scores ~2% on the copy task).
 SMALL = ["--prompts-per-step", "8", "--group-size", "8", "--seed", "3"]
 REQUIRED_KEYS = {
-    "step", "tokens", "reward_mean", "reward_std", "response_length_mean", "response_length_max", "loss", "grad_norm", "lr",
-    "variance_proxy/proxy1_signal_strength", "variance_proxy/proxy2_total_power", "variance_proxy/proxy3_pure_noise",
-    "time/rollout", "time/logprobs", "time/advantages", "time/update", "time/step",
-    "throughput/generation_tokens_per_s", "throughput/update_tokens_per_s",
+    "step",
+    "tokens",
+    "reward_mean",
+    "reward_std",
+    "response_length_mean",
+    "response_length_max",
+    "loss",
+    "grad_norm",
+    "lr",
+    "variance_proxy/proxy1_signal_strength",
+    "variance_proxy/proxy2_total_power",
+    "variance_proxy/proxy3_pure_noise",
+    "time/rollout",
+    "time/logprobs",
+    "time/advantages",
+    "time/update",
+    "time/step",
+    "throughput/generation_tokens_per_s",
+    "throughput/update_tokens_per_s",
 }
 
 
@@ -44,9 +59,21 @@ def deterministic(record: dict) -> dict:
 
 
 def run_subprocess(args: list[str], torchrun: bool = False, **kwargs) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        if torchrun
+        else [sys.executable]
+    )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([*launcher, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [*launcher, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def load_params(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -70,7 +97,9 @@ def debug_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
 
 def test_python_train_py_runs_and_writes_metrics_and_a_checkpoint(tmp_path):
     """`python train.py` (no torchrun) for 2 steps: progress bar, metrics.jsonl, complete checkpoints, pruning."""
-    out = run_subprocess([*TINY, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "1", "--output-dir", str(tmp_path / "run")])
+    out = run_subprocess(
+        [*TINY, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "1", "--output-dir", str(tmp_path / "run")]
+    )
     assert out.returncode == 0, out.stderr
     assert "train: 100%" in out.stderr  # the progress bar
     records = metrics(tmp_path / "run")
@@ -98,9 +127,30 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
     would not show in the parameters; it shows in the gradient norm and the loss, which are checked.
     """
     common = [*SMALL, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0"]
-    two = run_subprocess([*common, "--micro-batch-size", "8", "--output-dir", str(tmp_path / "two"), "--debug-dump", str(tmp_path / "dump2")], torchrun=True)
+    two = run_subprocess(
+        [
+            *common,
+            "--micro-batch-size",
+            "8",
+            "--output-dir",
+            str(tmp_path / "two"),
+            "--debug-dump",
+            str(tmp_path / "dump2"),
+        ],
+        torchrun=True,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    train.main([*common, "--micro-batch-size", "64", "--output-dir", str(tmp_path / "one"), "--debug-dump", str(tmp_path / "dump1")])
+    train.main(
+        [
+            *common,
+            "--micro-batch-size",
+            "64",
+            "--output-dir",
+            str(tmp_path / "one"),
+            "--debug-dump",
+            str(tmp_path / "dump1"),
+        ]
+    )
     one_records, two_records = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     for step in (1, 2):
         one, two_ = debug_rows(tmp_path / "dump1", step, 1), debug_rows(tmp_path / "dump2", step, 2)
@@ -116,7 +166,9 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
         assert p1.keys() == p2.keys()
         worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
         assert worst <= 1e-2 * one_records[0]["lr"], worst
-    assert one_records[0]["grad_norm"] > 1e-3 and debug_rows(tmp_path / "dump1", 1, 1)["advantages"].abs().max() > 0.05  # not a trivial comparison
+    assert (
+        one_records[0]["grad_norm"] > 1e-3 and debug_rows(tmp_path / "dump1", 1, 1)["advantages"].abs().max() > 0.05
+    )  # not a trivial comparison
     p0 = load_params(tmp_path / "one" / "checkpoints" / "step_00000001", tmp_path)
     assert any(float((p0[k] - p1[k]).abs().max()) > 0 for k in p0)  # step 2 moved the parameters
 
@@ -145,8 +197,17 @@ def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
 def test_bad_inputs_exit_nonzero_with_one_line_and_no_traceback(tmp_path):
     cases = _bad_input_cases(tmp_path)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    running = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, (args, _) in cases.items()}
+    running = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, (args, _) in cases.items()
+    }
     for name, process in running.items():
         stdout, stderr = process.communicate(timeout=120)
         lines = stderr.strip().splitlines()
@@ -212,8 +273,18 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
     """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward."""
     runs = {}
     for name, extra in (("forward", []), ("static", ["--static-decode"])):
-        train.main([*SMALL, "--steps", "2", "--output-dir", str(tmp_path / name), "--debug-dump", str(tmp_path / f"d_{name}"),
-                    *extra])
+        train.main(
+            [
+                *SMALL,
+                "--steps",
+                "2",
+                "--output-dir",
+                str(tmp_path / name),
+                "--debug-dump",
+                str(tmp_path / f"d_{name}"),
+                *extra,
+            ]
+        )
         runs[name] = [debug_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
     for forward, static in zip(runs["forward"], runs["static"]):
         assert torch.equal(forward["response_ids"], static["response_ids"])
@@ -221,8 +292,21 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
 
 
 def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):
-    train.main([*SMALL, "--steps", "3", "--debug-nan-step", "2", "--save-every", "1", "--keep-checkpoints", "0",
-                "--output-dir", str(tmp_path / "nan")])
+    train.main(
+        [
+            *SMALL,
+            "--steps",
+            "3",
+            "--debug-nan-step",
+            "2",
+            "--save-every",
+            "1",
+            "--keep-checkpoints",
+            "0",
+            "--output-dir",
+            str(tmp_path / "nan"),
+        ]
+    )
     records = metrics(tmp_path / "nan")
     assert [r["skipped"] for r in records] == [0, 1, 0] and records[2]["skipped_total"] == 1
     assert records[1]["loss"] is None and records[1]["grad_norm"] is None  # NaN is logged as null
@@ -238,16 +322,35 @@ def _tiny_hf_checkpoint(directory: Path) -> Path:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<user>", "<assistant>", *"0123456789+=?\\{} abcdefghijklmnopqrstuvwxyz"])}
+    vocab = {
+        token: i
+        for i, token in enumerate(
+            ["<pad>", "<eos>", "<user>", "<assistant>", *"0123456789+=?\\{} abcdefghijklmnopqrstuvwxyz"]
+        )
+    }
     backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens([AddedToken(t, special=True) for t in ["<pad>", "<eos>", "<user>", "<assistant>"]])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="?")
-    tokenizer.chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     tokenizer.save_pretrained(directory)
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
@@ -259,9 +362,31 @@ def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
     model = _tiny_hf_checkpoint(tmp_path / "model")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {a}+{a * 7}?", "answer": 8 * a}) + "\n" for a in range(12)))
-    train.main(["--model", str(model), "--data", str(data), "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
-                "--max-new-tokens", "6", "--estimator", "eob", "--kl-coef", "0.05", "--mini-batches", "2", "--activation-checkpointing",
-                "--output-dir", str(tmp_path / "run")])
+    train.main(
+        [
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--estimator",
+            "eob",
+            "--kl-coef",
+            "0.05",
+            "--mini-batches",
+            "2",
+            "--activation-checkpointing",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2] and all("kl_ref" in r for r in records)
     assert records[1]["tokens"] > records[0]["tokens"] > 0
@@ -274,16 +399,29 @@ def test_exact_energies_match_unpadded_rows():
     from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
 
     torch.manual_seed(0)
-    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=32)).eval()
-    sequences = torch.tensor([[0, 0, 5, 6, 7, 3, 1], [4, 5, 6, 7, 8, 9, 0]])  # prompt 5 columns (row 0 left-padded by 2), response 2
+    lm = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=12,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    ).eval()
+    sequences = torch.tensor(
+        [[0, 0, 5, 6, 7, 3, 1], [4, 5, 6, 7, 8, 9, 0]]
+    )  # prompt 5 columns (row 0 left-padded by 2), response 2
     attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     mask = attention[:, 5:].clone()  # row 1's response is one token (then padding)
     seq = train.exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
     cum = train.exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
     for row, real in ((0, slice(2, 7)), (1, slice(0, 6))):
         ids = sequences[row : row + 1, real]
-        response = torch.cat([torch.zeros(1, 5 - real.start, dtype=torch.long), mask[row : row + 1].long()], dim=1)[:, : ids.shape[1]]
+        response = torch.cat([torch.zeros(1, 5 - real.start, dtype=torch.long), mask[row : row + 1].long()], dim=1)[
+            :, : ids.shape[1]
+        ]
         assert float(seq[row]) == pytest.approx(float(sequence_grad_norms_sq(lm, ids, response)[0]), rel=1e-5)
         expected = prefix_grad_norms_sq(lm, ids, response)[0, 5 - real.start :]
         assert torch.allclose(cum[row, : expected.shape[0]].double(), expected, rtol=1e-5)
@@ -295,7 +433,12 @@ def test_plot_writes_a_png(tmp_path):
     for name, rewards in (("a", [0.1, 0.5]), ("b", [0.2, 0.3])):
         run = tmp_path / name
         run.mkdir()
-        run.joinpath("metrics.jsonl").write_text("".join(
-            json.dumps({"step": i + 1, "tokens": 100 * (i + 1), "reward_mean": r, "grad_norm": None if i else 0.5}) + "\n" for i, r in enumerate(rewards)))
+        run.joinpath("metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": i + 1, "tokens": 100 * (i + 1), "reward_mean": r, "grad_norm": None if i else 0.5})
+                + "\n"
+                for i, r in enumerate(rewards)
+            )
+        )
     plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -48,7 +48,12 @@ CASES = [
     ("otb", _with(sum_pi_squared=torch.full((B, T), 1.5)), "sum_pi_squared", r"\(0, 1"),
     ("otb", _with(sum_pi_squared=torch.full((B, T - 1), 0.5)), "sum_pi_squared", "shape"),
     ("otb", _with(rollout_is_weights=-torch.ones(B, T)), "rollout_is_weights", ">= 0"),
-    ("otb", _with(rollout_is_weights=torch.ones(B, T).index_fill(1, torch.tensor([0]), float("nan"))), "rollout_is_weights", "non-finite"),
+    (
+        "otb",
+        _with(rollout_is_weights=torch.ones(B, T).index_fill(1, torch.tensor([0]), float("nan"))),
+        "rollout_is_weights",
+        "non-finite",
+    ),
     ("otb", _with(old_log_probs=None), "old_log_probs", "required"),
     ("sequence_proxy", _with(sum_pi_squared=None), "sum_pi_squared", "required"),
     ("eob", _with(grad_norms_sq=None), "grad_norms_sq", "required"),
@@ -96,12 +101,18 @@ def test_unknown_keyword_is_rejected():
     """A misspelt input is an error, never silently ignored."""
     good = _good()
     with pytest.raises(TypeError, match="old_logprobs"):
-        compute_advantages("otb", good["token_level_rewards"], good["response_mask"], good["index"], old_logprobs=good["old_log_probs"])
+        compute_advantages(
+            "otb", good["token_level_rewards"], good["response_mask"], good["index"], old_logprobs=good["old_log_probs"]
+        )
 
 
 def test_verl_compatible_function_validates_too():
     good = _good()
     with pytest.raises(ValueError, match="^sum_pi_squared"):
         compute_optimal_token_baseline_advantage(
-            good["token_level_rewards"], good["response_mask"], good["index"], good["old_log_probs"], torch.full((B, T), 2.0)
+            good["token_level_rewards"],
+            good["response_mask"],
+            good["index"],
+            good["old_log_probs"],
+            torch.full((B, T), 2.0),
         )

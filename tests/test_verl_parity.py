@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from strategies import rollout_batches
 
 import otb_ref
-from strategies import rollout_batches
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
@@ -29,16 +29,34 @@ def _verl_index(index):
 @given(rollout_batches(), st.booleans(), st.booleans(), st.booleans(), st.sampled_from([torch.float32, torch.float64]))
 def test_otb_matches_verl(batch, multi_turn, handle_zero_tail, with_is, dtype):
     """compute_(multi_turn_)optimal_token_baseline_advantage: same advantages and returns as verl."""
-    args = (batch.rewards.to(dtype), batch.mask.to(dtype), None, batch.old_log_probs.to(dtype), batch.sum_pi_squared.to(dtype))
-    is_weights = batch.rollout_is_weights.to(dtype) if with_is else None
-    ours_fn = otb_ref.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else otb_ref.compute_optimal_token_baseline_advantage
-    theirs_fn = (
-        core_algos.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else core_algos.compute_optimal_token_baseline_advantage
+    args = (
+        batch.rewards.to(dtype),
+        batch.mask.to(dtype),
+        None,
+        batch.old_log_probs.to(dtype),
+        batch.sum_pi_squared.to(dtype),
     )
-    ours = ours_fn(args[0], args[1], batch.index, *args[3:], rollout_is_weights=is_weights, handle_zero_tail=handle_zero_tail)
+    is_weights = batch.rollout_is_weights.to(dtype) if with_is else None
+    ours_fn = (
+        otb_ref.compute_multi_turn_optimal_token_baseline_advantage
+        if multi_turn
+        else otb_ref.compute_optimal_token_baseline_advantage
+    )
+    theirs_fn = (
+        core_algos.compute_multi_turn_optimal_token_baseline_advantage
+        if multi_turn
+        else core_algos.compute_optimal_token_baseline_advantage
+    )
+    ours = ours_fn(
+        args[0], args[1], batch.index, *args[3:], rollout_is_weights=is_weights, handle_zero_tail=handle_zero_tail
+    )
     theirs = theirs_fn(
-        args[0].clone(), args[1].clone(), _verl_index(batch.index), *(a.clone() for a in args[3:]),
-        rollout_is_weights=None if is_weights is None else is_weights.clone(), handle_zero_tail=handle_zero_tail,
+        args[0].clone(),
+        args[1].clone(),
+        _verl_index(batch.index),
+        *(a.clone() for a in args[3:]),
+        rollout_is_weights=None if is_weights is None else is_weights.clone(),
+        handle_zero_tail=handle_zero_tail,
     )
     for got, want in zip(ours, theirs):
         torch.testing.assert_close(got, want.to(got.dtype), **TOLERANCES[dtype])
@@ -49,17 +67,25 @@ def test_otb_defaults_match_verl():
     import inspect
 
     for name in ["compute_optimal_token_baseline_advantage", "compute_multi_turn_optimal_token_baseline_advantage"]:
-        named = lambda fn: {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.kind != p.VAR_KEYWORD}  # noqa: E731
-        ours, theirs = named(getattr(otb_ref, name)), named(getattr(core_algos, name))
+        ours, theirs = (
+            {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.kind != p.VAR_KEYWORD}
+            for fn in (getattr(otb_ref, name), getattr(core_algos, name))
+        )
         assert list(ours.items()) == list(theirs.items())
 
 
 @given(rollout_batches(dense_rewards=False), st.booleans())
 def test_grpo_matches_verl(batch, std_normalize):
     """GRPO (std scaling on/off) with verl's epsilon 1e-6; a singleton differs by 1/(1+1e-6) there, hence rtol 2e-6."""
-    ours, _ = otb_ref.compute_advantages("grpo", batch.rewards, batch.mask, batch.index, std_normalize=std_normalize, epsilon=1e-6)
+    ours, _ = otb_ref.compute_advantages(
+        "grpo", batch.rewards, batch.mask, batch.index, std_normalize=std_normalize, epsilon=1e-6
+    )
     theirs, _ = core_algos.compute_grpo_outcome_advantage(
-        batch.rewards.clone(), batch.mask.clone(), _verl_index(batch.index), epsilon=1e-6, norm_adv_by_std_in_grpo=std_normalize
+        batch.rewards.clone(),
+        batch.mask.clone(),
+        _verl_index(batch.index),
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=std_normalize,
     )
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=2e-6, atol=1e-12)
 
@@ -68,7 +94,10 @@ def test_grpo_matches_verl(batch, std_normalize):
 def test_rloo_and_opo_match_verl(batch):
     """RLOO (leave-one-out mean) and OPO (length-weighted mean) as in verl (ε = 0 there)."""
     index = _verl_index(batch.index)
-    for ours_name, theirs_fn in [("rloo", core_algos.compute_rloo_outcome_advantage), ("opo", core_algos.compute_opo_outcome_advantage)]:
+    for ours_name, theirs_fn in [
+        ("rloo", core_algos.compute_rloo_outcome_advantage),
+        ("opo", core_algos.compute_opo_outcome_advantage),
+    ]:
         ours, _ = otb_ref.compute_advantages(ours_name, batch.rewards, batch.mask, batch.index, epsilon=0.0)
         theirs, _ = theirs_fn(batch.rewards.clone(), batch.mask.clone(), index)
         # verl's OPO divides 0/0 for a group whose responses are all empty; otb_ref gives baseline 0 there.
@@ -84,18 +113,26 @@ def test_variance_proxy_metrics_match_verl(batch, with_is, grad_norm):
 
     advantages, _ = otb_ref.compute_advantages("otb", batch.rewards, batch.mask, batch.index, **batch.inputs)
     tensors = {
-        "advantages": advantages, "response_mask": batch.mask,
-        "old_log_probs": batch.old_log_probs, "sum_pi_squared": batch.sum_pi_squared,
+        "advantages": advantages,
+        "response_mask": batch.mask,
+        "old_log_probs": batch.old_log_probs,
+        "sum_pi_squared": batch.sum_pi_squared,
     }
     if with_is:
         tensors["rollout_is_weights"] = batch.rollout_is_weights
         # verl recovers the unweighted energy as (w ρ²) / clamp(ρ², 1e-10): for ρ_t < 1e-5 on the mask that
         # under-counts w_t, while ours uses w_t itself (test_variance_proxy_with_tiny_is_weights_keeps_the_energy).
         assume(not bool(((batch.rollout_is_weights.square() < 1e-10) & batch.mask.bool()).any()))
-    theirs = metric_utils.compute_variance_proxy_metrics(DataProto.from_dict(tensors={k: v.clone() for k, v in tensors.items()}), gradient_norm=grad_norm)
+    theirs = metric_utils.compute_variance_proxy_metrics(
+        DataProto.from_dict(tensors={k: v.clone() for k, v in tensors.items()}), gradient_norm=grad_norm
+    )
     ours = otb_ref.variance_proxy_metrics(
-        advantages, batch.mask, batch.old_log_probs, batch.sum_pi_squared,
-        rollout_is_weights=batch.rollout_is_weights if with_is else None, grad_norm=grad_norm,
+        advantages,
+        batch.mask,
+        batch.old_log_probs,
+        batch.sum_pi_squared,
+        rollout_is_weights=batch.rollout_is_weights if with_is else None,
+        grad_norm=grad_norm,
     )
     assert set(ours) == set(theirs)
     for key in ours:

@@ -41,76 +41,218 @@ class Mutation:
 
 MUTATIONS = [
     # The three the issue names.
-    Mutation("M6", "otb_ref/exact/moments.py", "variance=second - float(mean @ mean)", "variance=second",
-             "population variance := second moment E||g||² (drops −||E g||²)", "f4"),
-    Mutation("M7", "otb_ref/exact/moments.py", '"proxy": enum.prefix_energy_proxy,', '"proxy": enum.energy,',
-             "population OTB weights: per-token w_t instead of cumulative W_t", "f5"),
-    Mutation("M11", "otb_ref/exact/moments.py", '"otb": ("token", "proxy"),', '"otb": ("sequence", "exact"),',
-             "population OTB replaced by the EOB constant", "f5"),
+    Mutation(
+        "M6",
+        "otb_ref/exact/moments.py",
+        "variance=second - float(mean @ mean)",
+        "variance=second",
+        "population variance := second moment E||g||² (drops −||E g||²)",
+        "f4",
+    ),
+    Mutation(
+        "M7",
+        "otb_ref/exact/moments.py",
+        '"proxy": enum.prefix_energy_proxy,',
+        '"proxy": enum.energy,',
+        "population OTB weights: per-token w_t instead of cumulative W_t",
+        "f5",
+    ),
+    Mutation(
+        "M11",
+        "otb_ref/exact/moments.py",
+        '"otb": ("token", "proxy"),',
+        '"otb": ("sequence", "exact"),',
+        "population OTB replaced by the EOB constant",
+        "f5",
+    ),
     # otb_ref/exact: moments, groups, policies.
-    Mutation("M6g", "otb_ref/exact/groups.py", "variance=second_moment - float(mean @ mean)",
-             "variance=second_moment", "group variance := second moment", "f7"),
-    Mutation("Mrtg", "otb_ref/spec.py", "return (rewards * mask).flip(-1).cumsum(-1).flip(-1)",
-             "return (rewards * mask).cumsum(-1)", "returns-to-go summed forward (reward so far)", "f1"),
-    Mutation("Mlen", "otb_ref/exact/moments.py", '"length": mask.cumsum(-1) * mask,', '"length": mask,',
-             "population token_length: W_t = 1 instead of t", "f5"),
-    Mutation("Mseq", "otb_ref/exact/moments.py", '"length": mask.sum(-1),', '"length": torch.ones_like(total),',
-             "population OPO: length weight replaced by 1", "f3"),
-    Mutation("Mbstar", "otb_ref/exact/moments.py", "enum.token_energy_exact, enum.probs)", "enum.energy, enum.probs)",
-             "B** weighted by proxy energies instead of E[m_t ||s_t||²]", "f4"),
-    Mutation("Mprefix", "otb_ref/exact/policies.py", "cumulative = self.gram.cumsum(1).cumsum(2)",
-             "cumulative = self.gram.cumsum(1)", "exact ||S_t||² summed over one Gram axis only", "f5"),
-    Mutation("Morder", "otb_ref/exact/groups.py", "return members, math.factorial(group_size) / repeats",
-             "return members, 1.0 / repeats", "multisets counted once, not N!/Π m_k! times", "f7"),
+    Mutation(
+        "M6g",
+        "otb_ref/exact/groups.py",
+        "variance=second_moment - float(mean @ mean)",
+        "variance=second_moment",
+        "group variance := second moment",
+        "f7",
+    ),
+    Mutation(
+        "Mrtg",
+        "otb_ref/spec.py",
+        "return (rewards * mask).flip(-1).cumsum(-1).flip(-1)",
+        "return (rewards * mask).cumsum(-1)",
+        "returns-to-go summed forward (reward so far)",
+        "f1",
+    ),
+    Mutation(
+        "Mlen",
+        "otb_ref/exact/moments.py",
+        '"length": mask.cumsum(-1) * mask,',
+        '"length": mask,',
+        "population token_length: W_t = 1 instead of t",
+        "f5",
+    ),
+    Mutation(
+        "Mseq",
+        "otb_ref/exact/moments.py",
+        '"length": mask.sum(-1),',
+        '"length": torch.ones_like(total),',
+        "population OPO: length weight replaced by 1",
+        "f3",
+    ),
+    Mutation(
+        "Mbstar",
+        "otb_ref/exact/moments.py",
+        "        enum.token_energy_exact,\n        enum.probs,",
+        "        enum.energy,\n        enum.probs,",
+        "B** weighted by proxy energies instead of E[m_t ||s_t||²]",
+        "f4",
+    ),
+    Mutation(
+        "Mprefix",
+        "otb_ref/exact/policies.py",
+        "cumulative = self.gram.cumsum(1).cumsum(2)",
+        "cumulative = self.gram.cumsum(1)",
+        "exact ||S_t||² summed over one Gram axis only",
+        "f5",
+    ),
+    Mutation(
+        "Morder",
+        "otb_ref/exact/groups.py",
+        "return members, math.factorial(group_size) / repeats",
+        "return members, 1.0 / repeats",
+        "multisets counted once, not N!/Π m_k! times",
+        "f7",
+    ),
     # otb_ref/proxy.py: the token energy (F6).
-    Mutation("P2pi", "otb_ref/proxy.py", "pi_y, alpha=-2.0)", "pi_y, alpha=-1.0)",
-             "token energy 1 − π_y + Σπ² (factor 2 dropped)", "f6"),
-    Mutation("Psq", "otb_ref/proxy.py", "sum_sq = (s2 / s1.square()).clamp_(max=1.0)",
-             "sum_sq = (s2 / s1).clamp_(max=1.0)", "Σπ² normalised by Σe instead of (Σe)²", "f6"),
+    Mutation(
+        "P2pi",
+        "otb_ref/proxy.py",
+        "pi_y, alpha=-2.0)",
+        "pi_y, alpha=-1.0)",
+        "token energy 1 − π_y + Σπ² (factor 2 dropped)",
+        "f6",
+    ),
+    Mutation(
+        "Psq",
+        "otb_ref/proxy.py",
+        "sum_sq = (s2 / s1.square()).clamp_(max=1.0)",
+        "sum_sq = (s2 / s1).clamp_(max=1.0)",
+        "Σπ² normalised by Σe instead of (Σe)²",
+        "f6",
+    ),
     # otb_ref/advantages.py: baselines, leave-one-out, std, multi-turn, zero tail.
-    Mutation("Acum", "otb_ref/advantages.py", "energy = block.energy.cumsum(dim=-1).mul_(mask)",
-             "energy = block.energy.mul(mask)", "library OTB: per-token w_t instead of realized W_t", "f7"),
-    Mutation("Ais", "otb_ref/advantages.py", 'energy = energy * values["rollout_is_weights"].square()',
-             'energy = energy * values["rollout_is_weights"]', "IS weights: ρ̄ instead of ρ̄²", "f7"),
-    Mutation("Aloo_seq", "otb_ref/advantages.py",
-             "numerator, denominator = numerator - weighted, denominator - weights",
-             "numerator, denominator = numerator - weighted, denominator",
-             "sequence leave-one-out: own weight kept in the denominator", "f7"),
-    Mutation("Aloo_tok", "otb_ref/advantages.py",
-             "num = at_slot(numerator[group[rows]]) - own * returns[rows].to(sum_dtype)",
-             "num = at_slot(numerator[group[rows]])", "token leave-one-out: own term kept in the numerator", "f7"),
-    Mutation("Astd", "otb_ref/advantages.py", "/ (counts - 1).clamp(min=1)).sqrt()[group]",
-             "/ counts.clamp(min=1)).sqrt()[group]", "group std with divisor N instead of N − 1", "f7"),
-    Mutation("Aeps", "otb_ref/advantages.py", 'baseline_eps = eps if spec.energy in ("proxy", "exact") else 0.0',
-             "baseline_eps = eps", "ε added to count denominators too", "f7"),
-    Mutation("Asingle", "otb_ref/advantages.py", "group_has_baseline = (counts >= 2).to(dtype)",
-             "group_has_baseline = (counts >= 1).to(dtype)", "a group of one gets a baseline", "f7"),
-    Mutation("Arank", "otb_ref/advantages.py", "rank = mask.cumsum(dim=-1).long() - 1",
-             "rank = mask.cumsum(dim=-1).long()", "multi-turn slots off by one", "f7"),
-    Mutation("Atail", "otb_ref/advantages.py",
-             "baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)",
-             "baseline = torch.where(token_position <= tail_start[rows, None], baseline, 0.0)",
-             "zero tail starts one position late", "f7"),
-    Mutation("Aunique", "otb_ref/advantages.py",
-             "unique_longest = is_longest & (num_longest[group] == 1) & (counts[group] >= 2)",
-             "unique_longest = is_longest & (counts[group] >= 2)", "zero tail also for tied longest responses", "f7"),
+    Mutation(
+        "Acum",
+        "otb_ref/advantages.py",
+        "energy = block.energy.cumsum(dim=-1).mul_(mask)",
+        "energy = block.energy.mul(mask)",
+        "library OTB: per-token w_t instead of realized W_t",
+        "f7",
+    ),
+    Mutation(
+        "Ais",
+        "otb_ref/advantages.py",
+        'energy = energy * values["rollout_is_weights"].square()',
+        'energy = energy * values["rollout_is_weights"]',
+        "IS weights: ρ̄ instead of ρ̄²",
+        "f7",
+    ),
+    Mutation(
+        "Aloo_seq",
+        "otb_ref/advantages.py",
+        "numerator, denominator = numerator - weighted, denominator - weights",
+        "numerator, denominator = numerator - weighted, denominator",
+        "sequence leave-one-out: own weight kept in the denominator",
+        "f7",
+    ),
+    Mutation(
+        "Aloo_tok",
+        "otb_ref/advantages.py",
+        "num = at_slot(numerator[group[rows]]) - own * returns[rows].to(sum_dtype)",
+        "num = at_slot(numerator[group[rows]])",
+        "token leave-one-out: own term kept in the numerator",
+        "f7",
+    ),
+    Mutation(
+        "Astd",
+        "otb_ref/advantages.py",
+        "/ (counts - 1).clamp(min=1)).sqrt()[group]",
+        "/ counts.clamp(min=1)).sqrt()[group]",
+        "group std with divisor N instead of N − 1",
+        "f7",
+    ),
+    Mutation(
+        "Aeps",
+        "otb_ref/advantages.py",
+        'baseline_eps = eps if spec.energy in ("proxy", "exact") else 0.0',
+        "baseline_eps = eps",
+        "ε added to count denominators too",
+        "f7",
+    ),
+    Mutation(
+        "Asingle",
+        "otb_ref/advantages.py",
+        "group_has_baseline = (counts >= 2).to(dtype)",
+        "group_has_baseline = (counts >= 1).to(dtype)",
+        "a group of one gets a baseline",
+        "f7",
+    ),
+    Mutation(
+        "Arank",
+        "otb_ref/advantages.py",
+        "rank = mask.cumsum(dim=-1).long() - 1",
+        "rank = mask.cumsum(dim=-1).long()",
+        "multi-turn slots off by one",
+        "f7",
+    ),
+    Mutation(
+        "Atail",
+        "otb_ref/advantages.py",
+        "baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)",
+        "baseline = torch.where(token_position <= tail_start[rows, None], baseline, 0.0)",
+        "zero tail starts one position late",
+        "f7",
+    ),
+    Mutation(
+        "Aunique",
+        "otb_ref/advantages.py",
+        "unique_longest = is_longest & (num_longest[group] == 1) & (counts[group] >= 2)",
+        "unique_longest = is_longest & (counts[group] >= 2)",
+        "zero tail also for tied longest responses",
+        "f7",
+    ),
     # otb_ref/grad_norms.py: the one-pass ||S||² of the EOB (F3).
-    Mutation("Gcross", "otb_ref/grad_norms.py", "self.total += 2 * _cross(call_a, name_a, call_b, name_b)",
-             "self.total += _cross(call_a, name_a, call_b, name_b)",
-             "tied weights: cross term counted once, not twice", "f3"),
+    Mutation(
+        "Gcross",
+        "otb_ref/grad_norms.py",
+        "self.total += 2 * _cross(call_a, name_a, call_b, name_b)",
+        "self.total += _cross(call_a, name_a, call_b, name_b)",
+        "tied weights: cross term counted once, not twice",
+        "f3",
+    ),
 ]
 
 # The test suite each mutation runs against (paths that exist), minus the slow multi-process/benchmark tests.
-SUITE = ["tests/exact", "tests/test_advantages.py", "tests/test_proxy.py", "tests/test_grad_norms.py",
-         "tests/test_spec.py", "tests/test_verl_parity.py"]
+SUITE = [
+    "tests/exact",
+    "tests/test_advantages.py",
+    "tests/test_proxy.py",
+    "tests/test_grad_norms.py",
+    "tests/test_spec.py",
+    "tests/test_verl_parity.py",
+]
 DESELECT = "not fsdp and not benchmark_command"
 
 
 def _scratch_copy() -> Path:
     """The working tree's files (tracked, and untracked ones git does not ignore) in a temporary directory."""
     scratch = Path(tempfile.mkdtemp(prefix="otb_mutations_"))
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
         if source.is_file():
@@ -121,8 +263,9 @@ def _scratch_copy() -> Path:
 
 def _env(scratch: Path) -> dict:
     # The "mutations" hypothesis profile (tests/conftest.py) draws CI's examples and skips shrinking.
-    return dict(os.environ, CI="true", HYPOTHESIS_PROFILE="mutations", PYTHONPATH=str(scratch),
-                PYTHONDONTWRITEBYTECODE="1")
+    return dict(
+        os.environ, CI="true", HYPOTHESIS_PROFILE="mutations", PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1"
+    )
 
 
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
@@ -137,8 +280,9 @@ def _pytest(scratch: Path, args: list[str], timeout: int, first_only: bool = Tru
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-x"] if first_only else []), *args]
     start = time.perf_counter()
     try:
-        result = subprocess.run(command, cwd=scratch, env=_env(scratch), capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            command, cwd=scratch, env=_env(scratch), capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return "timeout", [], "", time.perf_counter() - start
     seconds = time.perf_counter() - start
@@ -174,8 +318,14 @@ def main() -> int:
     suite_paths = " ".join(_suite_args(scratch)[:-2])
     started = time.perf_counter()
     try:
-        where = subprocess.run([sys.executable, "-c", "import otb_ref; print(otb_ref.__file__)"], cwd=scratch,
-                               env=_env(scratch), capture_output=True, text=True, check=True).stdout.strip()
+        where = subprocess.run(
+            [sys.executable, "-c", "import otb_ref; print(otb_ref.__file__)"],
+            cwd=scratch,
+            env=_env(scratch),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         if not where.startswith(str(scratch)):
             print(f"otb_ref imports from {where}, not from the scratch copy {scratch}", file=sys.stderr)
             return 2
@@ -204,8 +354,9 @@ def main() -> int:
                     rows.append((mutation, "not applied (does not compile)", "", "", ""))
                     continue
                 # The fact's tests, all of them (no -x): how many of them fail.
-                status, failing, tally, seconds = _pytest(scratch, _suite_args(scratch, mutation.fact), args.timeout,
-                                                          first_only=False)
+                status, failing, tally, seconds = _pytest(
+                    scratch, _suite_args(scratch, mutation.fact), args.timeout, first_only=False
+                )
                 fact_cell = _verdict(status) + (f", {tally} tests fail" if status == "fail" else "")
                 fact_failing = failing[0] if failing else ""
                 if args.quick:
@@ -214,24 +365,38 @@ def main() -> int:
                     status, failing, _, seconds = _pytest(scratch, _suite_args(scratch), args.timeout)
                     suite_cell, suite_failing = _verdict(status), failing[0] if failing else ""
                 rows.append((mutation, suite_cell, suite_failing, fact_cell, fact_failing))
-                print(f"{mutation.key}: suite {suite_cell} {suite_failing}; -m {mutation.fact} {fact_cell} "
-                      f"{fact_failing}", file=sys.stderr)
+                print(
+                    f"{mutation.key}: suite {suite_cell} {suite_failing}; -m {mutation.fact} {fact_cell} "
+                    f"{fact_failing}",
+                    file=sys.stderr,
+                )
             finally:
                 path.write_text(original, encoding="utf-8")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(f"Command: `python tools/mutations.py{' --quick' if args.quick else ''}"
-          f"{' --only ' + ' '.join(args.only) if args.only else ''}`, {datetime.date.today().isoformat()}, "
-          f"{time.perf_counter() - started:.0f} s. Suite: `pytest -x {suite_paths} "
-          f"-k '{DESELECT}'` (CI=true); fact tests: the same paths with `-m <fact>`, without -x.\n")
-    print("| key | file | mutation (one line) | expected fact | caught by the suite | first failing test "
-          "| caught by `-m fact` | first failing fact test |")
+    print(
+        f"Command: `python tools/mutations.py{' --quick' if args.quick else ''}"
+        f"{' --only ' + ' '.join(args.only) if args.only else ''}`, {datetime.date.today().isoformat()}, "
+        f"{time.perf_counter() - started:.0f} s. Suite: `pytest -x {suite_paths} "
+        f"-k '{DESELECT}'` (CI=true); fact tests: the same paths with `-m <fact>`, without -x.\n"
+    )
+    print(
+        "| key | file | mutation (one line) | expected fact | caught by the suite | first failing test "
+        "| caught by `-m fact` | first failing fact test |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mutation, suite_cell, suite_failing, fact_cell, fact_failing in rows:
-        cells = [mutation.key, f"`{mutation.file}`", f"{mutation.description}: `{mutation.old}` → `{mutation.new}`",
-                 mutation.fact.upper(), suite_cell, f"`{suite_failing}`" if suite_failing else "",
-                 fact_cell, f"`{fact_failing}`" if fact_failing else ""]
+        cells = [
+            mutation.key,
+            f"`{mutation.file}`",
+            f"{mutation.description}: `{mutation.old}` → `{mutation.new}`",
+            mutation.fact.upper(),
+            suite_cell,
+            f"`{suite_failing}`" if suite_failing else "",
+            fact_cell,
+            f"`{fact_failing}`" if fact_failing else "",
+        ]
         print("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     missed = [m.key for m, suite_cell, _, fact_cell, _ in rows if "yes" not in suite_cell + fact_cell]
     summary = f"; NOT caught (or not applied): {missed}" if missed else "."

@@ -40,7 +40,16 @@ from otb_ref.exact.moments import estimator_moments, outcome_rewards, population
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
 
 POPULATION_ROWS = [
-    "none", "mean", "opo", "sequence_proxy", "eob", "token_mean", "token_length", "otb", "otb_exact", "optimal",
+    "none",
+    "mean",
+    "opo",
+    "sequence_proxy",
+    "eob",
+    "token_mean",
+    "token_length",
+    "otb",
+    "otb_exact",
+    "optimal",
 ]
 GROUP_ROWS = ["grpo", "rloo", "opo", "sequence_proxy", "eob", "token_mean", "otb", "otb_exact"]
 # Summary groupings of GROUP_ROWS: energy-weighted means (include-self biases them by more than 1/N), and the two
@@ -135,8 +144,14 @@ def group_results(
 
 def _group_markdown(records: list[dict], skipped: list[str]) -> str:
     header = [
-        "policy", "L", "N", "estimator", "bias (include-self)", "N·Var/Var(B**) (include-self)",
-        "bias (leave-one-out)", "N·Var/Var(B**) (leave-one-out)",
+        "policy",
+        "L",
+        "N",
+        "estimator",
+        "bias (include-self)",
+        "N·Var/Var(B**) (include-self)",
+        "bias (leave-one-out)",
+        "N·Var/Var(B**) (leave-one-out)",
     ]
     rows = []
     for r in records:
@@ -211,8 +226,11 @@ def summary(population: dict[tuple[str, int], dict[str, float]], records: list[d
     if 2 in sizes:
         same, differ = [], []
         for kind, horizon in dict.fromkeys((r["policy"], r["L"]) for r in records if r["N"] == 2):
-            var = {r["estimator"]: _cell(r["var_loo"]) for r in records
-                   if (r["policy"], r["L"], r["N"]) == (kind, horizon, 2)}
+            var = {
+                r["estimator"]: _cell(r["var_loo"])
+                for r in records
+                if (r["policy"], r["L"], r["N"]) == (kind, horizon, 2)
+            }
             within = len({var[n] for n in SEQUENCE_LEVEL}) == 1 and len({var[n] for n in TOKEN_LEVEL}) == 1
             if not within:
                 differ.append(f"{kind} L={horizon} (estimators of one granularity differ)")
@@ -254,8 +272,15 @@ def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
     for init in (0.02, 0.3, 1.0):
         torch.manual_seed(seed)
         config = Qwen2Config(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=64, initializer_range=init, tie_word_embeddings=False,
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            initializer_range=init,
+            tie_word_embeddings=False,
         )
         model = Qwen2ForCausalLM(config).double().eval()
         ids = torch.randint(1, 32, (batch, 2))  # two prompt tokens
@@ -278,17 +303,24 @@ def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
         valid = mask.bool()
         positions = range(2, ids.shape[1])
         within = sum(_spearman(realized[:, t], exact_all[:, t]) for t in positions) / len(positions)
-        rows.append([
-            f"{init}", f"{float(torch.exp(log_probs[:, 1:]).mean()):.3f}",
-            f"{_spearman(realized[valid], exact_all[valid]):.3f}",
-            f"{within:.3f}",
-            f"{_spearman(realized[:, -1], exact_all[:, -1]):.3f}",
-            f"{_spearman(realized[valid], exact_head[valid]):.3f}",
-        ])
+        rows.append(
+            [
+                f"{init}",
+                f"{float(torch.exp(log_probs[:, 1:]).mean()):.3f}",
+                f"{_spearman(realized[valid], exact_all[valid]):.3f}",
+                f"{within:.3f}",
+                f"{_spearman(realized[:, -1], exact_all[:, -1]):.3f}",
+                f"{_spearman(realized[valid], exact_head[valid]):.3f}",
+            ]
+        )
     # ‖·‖ rather than ||·|| in the header: a literal | would split a markdown table cell.
     header = [
-        "init std", "mean π(y)", "Spearman W_t vs ‖S_t‖² pooled (all θ)", "same, within position (mean over t)",
-        "W_T vs ‖S‖² across responses (all θ)", "W_t vs ‖S_t‖² pooled (LM head only)",
+        "init std",
+        "mean π(y)",
+        "Spearman W_t vs ‖S_t‖² pooled (all θ)",
+        "same, within position (mean over t)",
+        "W_T vs ‖S‖² across responses (all θ)",
+        "W_t vs ‖S_t‖² pooled (LM head only)",
     ]
     return _markdown(header, rows)
 
@@ -298,8 +330,7 @@ def render(args: argparse.Namespace) -> str:
     population = population_results(args.vocab, args.horizons, args.seed)
     records, skipped = group_results(args.vocab, args.group_horizons, args.seed, args.group_sizes, args.max_groups)
     parts = [
-        f"# Exact variance table (vocab {args.vocab} with EOS, outcome reward: odd count of token 1, "
-        f"seed {args.seed})",
+        f"# Exact variance table (vocab {args.vocab} with EOS, outcome reward: odd count of token 1, seed {args.seed})",
         "## Population baselines: Var / Var(B**)  (1 = the F4 optimum; `none` is plain REINFORCE)",
         _population_markdown(population),
         "## Finite groups (compute_advantages): relative bias ||E ĝ − ∇J|| / ||∇J|| and N·Var(ĝ) / Var(B**)",
@@ -318,9 +349,11 @@ def render(args: argparse.Namespace) -> str:
 def _settings(args: argparse.Namespace) -> str:
     """The flags that determine the text (everything but --out), as a command line."""
     flags = [
-        f"--vocab {args.vocab}", "--horizons " + " ".join(map(str, args.horizons)),
+        f"--vocab {args.vocab}",
+        "--horizons " + " ".join(map(str, args.horizons)),
         "--group-horizons " + " ".join(map(str, args.group_horizons)),
-        "--group-sizes " + " ".join(map(str, args.group_sizes)), f"--max-groups {args.max_groups}",
+        "--group-sizes " + " ".join(map(str, args.group_sizes)),
+        f"--max-groups {args.max_groups}",
         f"--seed {args.seed}",
     ]
     return " ".join(flags + (["--skip-transformer"] if args.skip_transformer else []))
@@ -353,7 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 4], help="group sizes N")
     parser.add_argument(
-        "--max-groups", type=int, default=20000,
+        "--max-groups",
+        type=int,
+        default=20000,
         help=f"skip finite-group cells with more distinct groups (at most {MAX_TUPLES})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' parameters")
@@ -361,7 +396,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-transformer", action="store_true", help="skip the proxy-vs-exact section on a tiny Qwen2"
     )
     parser.add_argument(
-        "--out", type=Path, default=None,
+        "--out",
+        type=Path,
+        default=None,
         help=f"also write the table (without the timing line) to this file; the committed copy is {DEFAULT_OUT}",
     )
     args = parser.parse_args(argv)

@@ -162,7 +162,8 @@ def prefix_grad_norms_sq(
 
     Returns:
         ``[B, L]`` float64 on ``input_ids``' device (computed as in
-        :func:`sequence_grad_norms_sq`), on the same grid as ``input_ids``. The ``[B, T]`` columns that hold the responses are the
+        :func:`sequence_grad_norms_sq`), on the same grid as ``input_ids``.
+        The ``[B, T]`` columns that hold the responses are the
         ``cumulative_energy`` input of
         ``compute_advantages("otb_exact", ..., cumulative_energy=...)``.
 

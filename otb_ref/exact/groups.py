@@ -37,7 +37,9 @@ def _multisets(num_responses: int, group_size: int) -> tuple[torch.Tensor, torch
     group as a set), so summing over multisets weighted by ``N! / Π_k m_k!``
     equals summing over all ``M^N`` ordered tuples.
     """
-    members = torch.tensor(list(itertools.combinations_with_replacement(range(num_responses), group_size)), dtype=torch.long)
+    members = torch.tensor(
+        list(itertools.combinations_with_replacement(range(num_responses), group_size)), dtype=torch.long
+    )
     members = members.reshape(-1, group_size)
     repeats = torch.ones(members.shape[0], dtype=torch.float64)  # Π_k m_k! as the product of running counts
     for i in range(group_size):
@@ -64,12 +66,16 @@ def group_moments(enum: Enumeration, rewards: torch.Tensor, estimator: str, grou
     num_responses, length = enum.tokens.shape
     num_multisets = math.comb(num_responses + group_size - 1, group_size)
     if num_multisets > MAX_TUPLES:
-        raise ValueError(f"group_size: {num_multisets} groups of {group_size} from {num_responses} responses exceed {MAX_TUPLES}")
+        raise ValueError(
+            f"group_size: {num_multisets} groups of {group_size} from {num_responses} responses exceed {MAX_TUPLES}"
+        )
     all_members, all_orderings = _multisets(num_responses, group_size)
 
     inputs = {
-        "old_log_probs": enum.log_probs, "sum_pi_squared": enum.sum_pi_squared,
-        "grad_norms_sq": enum.sequence_energy_exact, "cumulative_energy": enum.prefix_energy_exact,
+        "old_log_probs": enum.log_probs,
+        "sum_pi_squared": enum.sum_pi_squared,
+        "grad_norms_sq": enum.sequence_energy_exact,
+        "cumulative_energy": enum.prefix_energy_exact,
     }
     coefficients = torch.zeros_like(enum.mask)  # Σ_groups P · (1/N) Σ_i A^i at y^i: [M, L]
     second_moment = 0.0
@@ -79,8 +85,12 @@ def group_moments(enum: Enumeration, rewards: torch.Tensor, estimator: str, grou
         rows = members.reshape(-1)  # [c·N] responses, group by group
         group_id = torch.arange(count).repeat_interleave(group_size)
         advantages, _ = compute_advantages(
-            estimator, rewards[rows], enum.mask[rows], group_id,
-            **{name: value[rows] for name, value in inputs.items()}, **flags,
+            estimator,
+            rewards[rows],
+            enum.mask[rows],
+            group_id,
+            **{name: value[rows] for name, value in inputs.items()},
+            **flags,
         )
         advantages = advantages.view(count, group_size, length)  # A^i_t
         group_prob = all_orderings[start : start + count] * enum.probs[members].prod(dim=1)  # [c]

@@ -218,6 +218,13 @@ def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None
             kept.append(scores)
     gram = torch.cat(grams)
     return Enumeration(
-        policy=policy, tokens=tokens, mask=mask, probs=probs, log_probs=log_probs,
-        sum_pi_squared=sum_sq, energy=energy, gram=gram, scores=torch.cat(kept) if keep_scores else None,
+        policy=policy,
+        tokens=tokens,
+        mask=mask,
+        probs=probs,
+        log_probs=log_probs,
+        sum_pi_squared=sum_sq,
+        energy=energy,
+        gram=gram,
+        scores=torch.cat(kept) if keep_scores else None,
     )

@@ -21,8 +21,14 @@ from otb_ref.exact.grad_norms import prefix_grad_norms_sq, sequence_grad_norms_s
 RTOL = 1e-10
 
 TINY = dict(
-    vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=32, initializer_range=0.3,
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+    initializer_range=0.3,
 )
 # initializer_range 0.3 (HF default 0.02) makes π far from uniform, so the
 # F6 check below is not a near-constant.
@@ -83,7 +89,9 @@ def _reference(model, ids, response, attention=None, temperature=1.0):
         # island-free model in test_float32_islands_are_promoted.
         with grad_norms._Float64Mode():
             logits = _logits(model64(ids[b : b + 1], **kwargs))[0]  # [L, V]
-        log_probs = torch.log_softmax(logits[:-1] / temperature, -1).gather(-1, ids[b, 1:, None]).squeeze(-1)  # [L-1]: token j at j-1
+        log_probs = (
+            torch.log_softmax(logits[:-1] / temperature, -1).gather(-1, ids[b, 1:, None]).squeeze(-1)
+        )  # [L-1]: token j at j-1
         mask = response[b].double()  # [L]
 
         def flat_grad(scalar):
@@ -167,9 +175,7 @@ def test_prefix_last_position_equals_sequence_norm():
     rewards = torch.zeros(ids.shape[0], T, dtype=torch.float64)
     rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
     index = [0, 0, 0, 1, 1, 1]
-    advantages, _ = compute_advantages(
-        "otb_exact", rewards, response[:, -T:], index, cumulative_energy=prefix[:, -T:]
-    )
+    advantages, _ = compute_advantages("otb_exact", rewards, response[:, -T:], index, cumulative_energy=prefix[:, -T:])
     assert advantages.shape == (ids.shape[0], T) and bool(torch.isfinite(advantages).all())
     advantages, _ = compute_advantages("eob", rewards, response[:, -T:], index, grad_norms_sq=sequence)
     assert bool(torch.isfinite(advantages).all())
@@ -185,7 +191,9 @@ def test_lm_head_weight_proxy_identity():
     ids = torch.randint(0, 16, (1, L), generator=torch.Generator().manual_seed(11)).repeat(L - 1, 1)
     response = torch.zeros(L - 1, L)
     response[torch.arange(L - 1), torch.arange(1, L)] = 1  # row k: one response token, at position k + 1
-    got = prefix_grad_norms_sq(model, ids, response, temperature=temperature)[torch.arange(L - 1), torch.arange(1, L)]  # [L-1]
+    got = prefix_grad_norms_sq(model, ids, response, temperature=temperature)[
+        torch.arange(L - 1), torch.arange(1, L)
+    ]  # [L-1]
 
     model64 = copy.deepcopy(model).double().eval()
     captured = {}
@@ -310,8 +318,12 @@ def test_float32_islands_are_promoted():
     plain = _ToyLM(island=False)
     plain.load_state_dict(island.state_dict())
     expected_sequence, expected_prefix = _reference(plain, _TOY_IDS, _TOY_RESPONSE)
-    torch.testing.assert_close(sequence_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_sequence, rtol=RTOL, atol=0)
-    torch.testing.assert_close(prefix_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_prefix, rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        sequence_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_sequence, rtol=RTOL, atol=0
+    )
+    torch.testing.assert_close(
+        prefix_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_prefix, rtol=RTOL, atol=0
+    )
     # the island does round when not promoted (so the check above is not vacuous)
     island64 = copy.deepcopy(island).double()
     h = island64(_TOY_IDS[:1])

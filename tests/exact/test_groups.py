@@ -5,12 +5,12 @@ import itertools
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import policy_cases, rollout_batches
 
 from otb_ref import ESTIMATORS, compute_advantages
 from otb_ref.exact.groups import group_moments
 from otb_ref.exact.moments import estimator_moments, outcome_rewards, population_advantages, returns_to_go
 from otb_ref.exact.policies import TreePolicy, enumerate_policy
-from strategies import policy_cases, rollout_batches
 
 # Exact float64 sums over <= C(M+N-1, N) groups (M <= 40, N <= 3): rounding far below 1e-10.
 ATOL = 1e-10
@@ -34,11 +34,15 @@ def test_f7_include_self_mean_is_scaled_leave_one_out(batch, use_token_mean):
     The per-position uniform mean obeys the same identity when every response is alive (equal lengths, no holes).
     """
     sizes = {key: batch.index.count(key) for key in batch.index}
-    scale = torch.tensor([(sizes[key] - 1) / sizes[key] if sizes[key] > 1 else 1.0 for key in batch.index], dtype=torch.float64)
+    scale = torch.tensor(
+        [(sizes[key] - 1) / sizes[key] if sizes[key] > 1 else 1.0 for key in batch.index], dtype=torch.float64
+    )
     mask = torch.ones_like(batch.mask) if use_token_mean else batch.mask
     name = "token_mean" if use_token_mean else "grpo"
     include, _ = compute_advantages(name, batch.rewards * mask, mask, batch.index, std_normalize=False, epsilon=0.0)
-    leave_out, _ = compute_advantages(name, batch.rewards * mask, mask, batch.index, std_normalize=False, leave_one_out=True, epsilon=0.0)
+    leave_out, _ = compute_advantages(
+        name, batch.rewards * mask, mask, batch.index, std_normalize=False, leave_one_out=True, epsilon=0.0
+    )
     torch.testing.assert_close(include, scale[:, None] * leave_out, rtol=1e-12, atol=1e-12)
 
 
@@ -71,24 +75,32 @@ def test_f7_std_normalization_biases():
     enum = enumerate_policy(policy, keep_scores=True)
     rewards = outcome_rewards(enum, torch.tensor([0.0, 1.0, 10.0]))
     moments = group_moments(enum, rewards, "grpo", 2, epsilon=0.0)
-    torch.testing.assert_close(moments.mean, torch.tensor([-2.0, 0.0, 2.0], dtype=torch.float64) / (9 * 2**0.5), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        moments.mean, torch.tensor([-2.0, 0.0, 2.0], dtype=torch.float64) / (9 * 2**0.5), rtol=0, atol=1e-14
+    )
     truth = estimator_moments(enum, rewards[:, :1] * enum.mask, rewards).mean
     torch.testing.assert_close(truth, torch.tensor([-11.0, -8.0, 19.0], dtype=torch.float64) / 9, rtol=0, atol=1e-14)
 
 
-@given(policy_cases(max_vocab=3, max_horizon=2, max_responses=12), st.sampled_from(["grpo", "otb", "rloo", "otb_exact"]))
+@given(
+    policy_cases(max_vocab=3, max_horizon=2, max_responses=12), st.sampled_from(["grpo", "otb", "rloo", "otb_exact"])
+)
 def test_multisets_equal_ordered_tuples(case, name):
     """Summing over multisets with their orderings equals the plain loop over all M^N ordered tuples."""
     enum, group_size = case.enum, 3
     inputs = {
-        "old_log_probs": enum.log_probs, "sum_pi_squared": enum.sum_pi_squared,
-        "grad_norms_sq": enum.sequence_energy_exact, "cumulative_energy": enum.prefix_energy_exact,
+        "old_log_probs": enum.log_probs,
+        "sum_pi_squared": enum.sum_pi_squared,
+        "grad_norms_sq": enum.sequence_energy_exact,
+        "cumulative_energy": enum.prefix_energy_exact,
     }
     mean = torch.zeros(enum.num_params, dtype=torch.float64)
     second = 0.0
     for members in itertools.product(range(enum.tokens.shape[0]), repeat=group_size):
         rows = torch.tensor(members)
-        advantages, _ = compute_advantages(name, case.rewards[rows], enum.mask[rows], [0] * group_size, **{k: v[rows] for k, v in inputs.items()})
+        advantages, _ = compute_advantages(
+            name, case.rewards[rows], enum.mask[rows], [0] * group_size, **{k: v[rows] for k, v in inputs.items()}
+        )
         estimate = torch.einsum("nt,ntp->p", advantages, enum.scores[rows]) / group_size
         prob = float(enum.probs[rows].prod())
         mean += prob * estimate

@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import policy_cases
 
 from otb_ref.exact.moments import (
     POPULATION_ESTIMATORS,
@@ -13,7 +14,6 @@ from otb_ref.exact.moments import (
     returns_to_go,
 )
 from otb_ref.exact.policies import enumerate_policy
-from strategies import policy_cases
 
 # Exact float64 sums over <= 400 responses of terms of size <= ~100: rounding well below 1e-10.
 ATOL = 1e-10
@@ -51,7 +51,9 @@ def test_f3_quadratic_gap(case, offsets):
     energy = float(enum.probs @ enum.sequence_energy_exact)
     for offset in offsets:
         b = b_star + offset
-        assert abs(_variance(case, _sequence_advantages(case, b)) - (var_star + offset**2 * energy)) < ATOL * (1 + offset**2)
+        assert abs(_variance(case, _sequence_advantages(case, b)) - (var_star + offset**2 * energy)) < ATOL * (
+            1 + offset**2
+        )
 
 
 @given(policy_cases(), st.integers(0, 2**31 - 1))
@@ -65,14 +67,18 @@ def test_f4_separable_gap(case, seed):
         other = torch.randn(optimal.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
         seed += 1
         predicted = var_optimal + float((weights * (other - optimal) ** 2).sum())
-        assert abs(_variance(case, _token_advantages(case, other)) - predicted) < ATOL * (1 + float(other.abs().max()) ** 2)
+        assert abs(_variance(case, _token_advantages(case, other)) - predicted) < ATOL * (
+            1 + float(other.abs().max()) ** 2
+        )
 
 
 @given(policy_cases())
 def test_f4_orderings(case):
-    """Var(B**) <= every token-level constant baseline; with outcome reward also Var(B**) <= Var(EOB) <= Var(any constant)."""
+    """Var(B**) <= every token-level constant baseline; outcome reward: Var(B**) <= Var(EOB) <= Var(any constant)."""
     enum = case.enum
-    variance = {name: _variance(case, population_advantages(enum, case.rewards, name)) for name in POPULATION_ESTIMATORS}
+    variance = {
+        name: _variance(case, population_advantages(enum, case.rewards, name)) for name in POPULATION_ESTIMATORS
+    }
     slack = ATOL * (1 + max(abs(v) for v in variance.values()))
     for name in ["none", "token_mean", "token_length", "otb", "otb_exact"]:
         assert variance["optimal"] <= variance[name] + slack, name
@@ -129,16 +135,30 @@ def test_f5_otb_exact_can_exceed_eob_and_no_baseline():
     def var(name):
         return estimator_moments(enum, population_advantages(enum, rewards, name), rewards).variance
 
-    torch.testing.assert_close(population_baseline(enum, rewards, "otb_exact"), torch.tensor([1 / 4, 0, 1 / 12], dtype=torch.float64))
-    torch.testing.assert_close(population_baseline(enum, rewards, "optimal"), torch.tensor([-1 / 4, 1 / 4, 1 / 4], dtype=torch.float64))
-    for name, expected in [("otb_exact", 29 / 288), ("none", 18 / 288), ("eob", 16.5 / 288), ("optimal", 4.5 / 288), ("otb", 22.5 / 288)]:
+    torch.testing.assert_close(
+        population_baseline(enum, rewards, "otb_exact"), torch.tensor([1 / 4, 0, 1 / 12], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        population_baseline(enum, rewards, "optimal"), torch.tensor([-1 / 4, 1 / 4, 1 / 4], dtype=torch.float64)
+    )
+    for name, expected in [
+        ("otb_exact", 29 / 288),
+        ("none", 18 / 288),
+        ("eob", 16.5 / 288),
+        ("optimal", 4.5 / 288),
+        ("otb", 22.5 / 288),
+    ]:
         assert abs(var(name) - expected) < 1e-14, name
 
 
 @given(policy_cases(kinds=("tree",), eos=False, outcome=True))
 def test_f5_tree_otb_between_bstar_and_eob(case):
-    """proofs/F5 E2: tree policy, outcome reward, equal lengths: Var(B**) <= Var(OTB) <= Var(EOB) (exact = proxy energies there)."""
-    variance = {n: _variance(case, population_advantages(case.enum, case.rewards, n)) for n in ["optimal", "otb", "otb_exact", "eob"]}
+    """proofs/F5 E2: tree policy, outcome reward, equal lengths: Var(B**) <= Var(OTB) <= Var(EOB)
+    (exact = proxy energies there)."""
+    variance = {
+        n: _variance(case, population_advantages(case.enum, case.rewards, n))
+        for n in ["optimal", "otb", "otb_exact", "eob"]
+    }
     slack = ATOL * (1 + abs(variance["eob"]))
     for name in ["otb", "otb_exact"]:
         assert variance["optimal"] <= variance[name] + slack

@@ -25,6 +25,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import reference_advantages
+from strategies import PolicyCase, policy_cases, rollout_batches
 
 from otb_ref import ESTIMATORS, compute_advantages
 from otb_ref.exact.groups import group_moments
@@ -36,8 +38,6 @@ from otb_ref.exact.moments import (
     population_baseline,
 )
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
-from strategies import PolicyCase, policy_cases, rollout_batches
-from reference import reference_advantages
 
 MEDIUM = dict(max_responses=120)  # population tests: plain Python loops over <= 120 responses
 SMALL = dict(max_vocab=3, max_horizon=3, max_responses=40)  # groups: <= 40² ordered pairs
@@ -124,9 +124,7 @@ def _population_definition(case: PolicyCase, name: str):
         "proxy": lambda y, t: sum(w[y][: t + 1]),  # realized energy W_t = Σ_{j<=t} m_j w_j (cumulative)
         "exact": lambda y, t: prefix_sq[y][t],  # ||S_t||²
     }[energy]
-    return [
-        ratio([(probs[y] * weight(y, t), g[y][t]) for y in range(num_responses) if m[y][t]]) for t in range(length)
-    ]
+    return [ratio([(probs[y] * weight(y, t), g[y][t]) for y in range(num_responses) if m[y][t]]) for t in range(length)]
 
 
 def _bstar_definition(case: PolicyCase):
@@ -441,8 +439,10 @@ def test_f4_variance_is_centered_where_the_mean_is_not_zero():
 
 def _inputs(enum):
     return {
-        "old_log_probs": enum.log_probs, "sum_pi_squared": enum.sum_pi_squared,
-        "grad_norms_sq": enum.sequence_energy_exact, "cumulative_energy": enum.prefix_energy_exact,
+        "old_log_probs": enum.log_probs,
+        "sum_pi_squared": enum.sum_pi_squared,
+        "grad_norms_sq": enum.sequence_energy_exact,
+        "cumulative_energy": enum.prefix_energy_exact,
     }
 
 
@@ -457,7 +457,12 @@ def _ordered_groups(enum, rewards, name, group_size, rho=None, **flags):
     group_id = torch.arange(members.shape[0]).repeat_interleave(group_size)
     extra = {} if rho is None else {"rollout_is_weights": rho[rows]}
     advantages, _ = compute_advantages(
-        name, rewards[rows], enum.mask[rows], group_id, **{k: v[rows] for k, v in _inputs(enum).items()}, **extra,
+        name,
+        rewards[rows],
+        enum.mask[rows],
+        group_id,
+        **{k: v[rows] for k, v in _inputs(enum).items()},
+        **extra,
         **flags,
     )
     return members, enum.probs[members].prod(dim=1), advantages.view(-1, group_size, length)
@@ -503,8 +508,12 @@ def _is_weights(enum, seed: int = 0) -> torch.Tensor:
 
 
 # (granularity, energy) of the estimators that take IS weights, written out (not read from the library).
-IS_DEFINITIONS = {"opo": ("sequence", "length"), "sequence_proxy": ("sequence", "proxy"),
-                  "token_length": ("token", "length"), "otb": ("token", "proxy")}
+IS_DEFINITIONS = {
+    "opo": ("sequence", "length"),
+    "sequence_proxy": ("sequence", "proxy"),
+    "token_length": ("token", "length"),
+    "otb": ("token", "proxy"),
+}
 IS_ESTIMATORS = sorted(IS_DEFINITIONS)
 
 
@@ -547,8 +556,11 @@ def _leave_one_out_definition(case: PolicyCase, name: str, members, rho, epsilon
     return torch.tensor(out, dtype=torch.float64)
 
 
-@given(policy_cases(max_vocab=3, max_horizon=3, max_responses=15), st.sampled_from(IS_ESTIMATORS),
-       st.sampled_from([0.0, 1e-8]))
+@given(
+    policy_cases(max_vocab=3, max_horizon=3, max_responses=15),
+    st.sampled_from(IS_ESTIMATORS),
+    st.sampled_from([0.0, 1e-8]),
+)
 def test_f7_leave_one_out_with_is_weights_matches_f7_and_is_unbiased(case, name, epsilon):
     """Leave-one-out with rollout IS weights (``ρ̄²`` inside the others' energies), ``ε ∈ {0, 1e-8}``, N = 3.
 
@@ -643,8 +655,13 @@ def _with_holes(case: PolicyCase) -> PolicyCase:
     mask = enum.mask * (1 - hole)
     pair = mask[:, :, None] * mask[:, None, :]
     holed = dataclasses.replace(
-        enum, mask=mask, log_probs=enum.log_probs * mask, energy=enum.energy * mask, gram=enum.gram * pair,
-        scores=enum.scores * mask[..., None], sum_pi_squared=torch.where(mask > 0, enum.sum_pi_squared, 1.0),
+        enum,
+        mask=mask,
+        log_probs=enum.log_probs * mask,
+        energy=enum.energy * mask,
+        gram=enum.gram * pair,
+        scores=enum.scores * mask[..., None],
+        sum_pi_squared=torch.where(mask > 0, enum.sum_pi_squared, 1.0),
     )
     return PolicyCase(holed, case.rewards * mask, case.outcome)
 

@@ -4,9 +4,9 @@ import itertools
 
 import torch
 from hypothesis import given
+from strategies import policy_cases
 
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy, enumerate_responses
-from strategies import policy_cases
 
 # Exact sums over <= 400 responses of float64 terms of size <= ~10: rounding ~1e-14.
 ATOL = 1e-11

@@ -20,7 +20,11 @@ QUOTED_UNTIL = "## Benchmarks"
 
 def _run(*flags: str, timeout: int = 300) -> str:
     return subprocess.run(
-        [sys.executable, "-m", "otb_ref.exact", *flags], check=True, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "otb_ref.exact", *flags],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     ).stdout
 
 
@@ -48,12 +52,13 @@ def test_exact_table_rejects_bad_flags():
 
 def test_out_writes_stdout_without_the_timing_line(tmp_path):
     out_file = tmp_path / "table.md"
-    stdout = _run("--horizons", "2", "--group-horizons", "2", "--group-sizes", "2", "--skip-transformer",
-                  "--out", str(out_file))
+    stdout = _run(
+        "--horizons", "2", "--group-horizons", "2", "--group-sizes", "2", "--skip-transformer", "--out", str(out_file)
+    )
     written = out_file.read_text(encoding="utf-8")
     header, table = written.split("-->\n\n", 1)
     assert header.startswith("<!-- Written by") and "--skip-transformer" in header and str(tmp_path) not in header
-    assert stdout.startswith(table) and stdout[len(table):].strip().startswith("(computed exactly in")
+    assert stdout.startswith(table) and stdout[len(table) :].strip().startswith("(computed exactly in")
 
 
 def _versions(text: str) -> str:
@@ -62,7 +67,7 @@ def _versions(text: str) -> str:
 
 def _without_proxy_section(text: str) -> str:
     """The text from the title on, without the tiny-Qwen2 section (the only one that depends on transformers)."""
-    text = text[text.index("# Exact variance table"):]
+    text = text[text.index("# Exact variance table") :]
     return re.sub(r"## Proxy vs exact energies.*?(?=\n## )", "", text, flags=re.S)
 
 
@@ -81,15 +86,17 @@ def test_committed_table_is_current(tmp_path):
         assert fresh == committed, stale
     else:
         assert _without_proxy_section(fresh) == _without_proxy_section(committed), stale
-        warnings.warn(f"exact table written with {_versions(committed)}, checked with {_versions(fresh)}: "
-                      "the proxy section was not compared")
+        warnings.warn(
+            f"exact table written with {_versions(committed)}, checked with {_versions(fresh)}: "
+            "the proxy section was not compared"
+        )
 
 
 def test_readme_numbers_come_from_the_committed_table():
     """Every decimal number of the README's measured-approximations paragraph occurs in docs/exact_table.md."""
     readme = README.read_text(encoding="utf-8")
     start = readme.index(QUOTED_FROM)
-    section = readme[start:readme.index(QUOTED_UNTIL, start)]
+    section = readme[start : readme.index(QUOTED_UNTIL, start)]
     numbers = set(re.findall(r"\d+\.\d+", section))
     assert len(numbers) > 20, "the paragraph moved or lost its numbers"
     table_numbers = set(re.findall(r"\d+\.\d+", TABLE.read_text(encoding="utf-8")))
@@ -120,6 +127,9 @@ def test_cited_test_ids_exist():
     assert len(ids) > 25, "the citation format changed"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *sorted(ids)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
