@@ -46,6 +46,11 @@ REQUIRED_KEYS = {
     "time/step",
     "throughput/generation_tokens_per_s",
     "throughput/update_tokens_per_s",
+    "generated_tokens",
+    "truncated_fraction",
+    "zero_variance_group_fraction",
+    "entropy",
+    "entropy_renyi2",
 }
 
 
@@ -126,7 +131,7 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
     Adam's first step is scale-invariant, so a gradient-averaging bug (a factor of the world size)
     would not show in the parameters; it shows in the gradient norm and the loss, which are checked.
     """
-    common = [*SMALL, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0"]
+    common = [*SMALL, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--device", "cpu"]
     two = run_subprocess(
         [
             *common,
@@ -174,6 +179,11 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
 
 
 def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    math_data = tmp_path / "math.jsonl"
+    math_data.write_text('{"prompt": "12+30=", "answer": "42"}\n{"prompt": "What is 2+2?", "answer": "4"}\n')
+    no_tokenizer = _tiny_hf_checkpoint(tmp_path / "no_tokenizer")
+    for name in train.TOKENIZER_FILES + ("special_tokens_map.json",):
+        (no_tokenizer / name).unlink(missing_ok=True)
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": 4\n')
     wrong_keys = tmp_path / "keys.jsonl"
@@ -191,15 +201,26 @@ def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "top-p": (["--top-p", "0"], "--top-p"),
         "unknown flag": (["--group_size", "4"], "--group_size"),
         "resume without dir": (["--resume"], "--output-dir"),
+        "data without model": (["--data", str(math_data)], f"--data {math_data}:2: the prompt cannot be encoded"),
+        "no tokenizer files": (["--model", str(no_tokenizer)], "no tokenizer files"),
+        "copy lengths": (["--copy-lengths", "5", "2"], "--copy-lengths"),
+        "long horizon add": (["--long-horizon", "--task", "add"], "--long-horizon"),
     }
 
 
 def test_bad_inputs_exit_nonzero_with_one_line_and_no_traceback(tmp_path):
+    """Each mistake: exit status 2, one line naming the flag or file, no traceback, and no output directory."""
     cases = _bad_input_cases(tmp_path)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = {name: tmp_path / f"out_{i}" for i, name in enumerate(cases)}
     running = {
         name: subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args],
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                *args,
+                *([] if name == "resume without dir" else ["--output-dir", str(out[name])]),
+            ],
             cwd=ROOT,
             env=env,
             text=True,
@@ -214,6 +235,28 @@ def test_bad_inputs_exit_nonzero_with_one_line_and_no_traceback(tmp_path):
         assert process.returncode == 2, (name, stderr)
         assert len(lines) == 1 and "Traceback" not in stderr, (name, stderr)
         assert lines[0].startswith("train.py: error: ") and cases[name][1] in lines[0], (name, lines[0])
+        assert not out[name].exists(), name  # checked before anything is written
+
+
+def test_torchrun_mistake_is_reported_once(tmp_path):
+    """Under torchrun every rank finds the mistake; only rank 0 prints it (torchrun then adds its own report)."""
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "What is 2+2?", "answer": "4"}\n')
+    out = run_subprocess(["--data", str(data), "--device", "cpu", "--output-dir", str(tmp_path / "run")], torchrun=True)
+    assert out.returncode != 0 and 'train.py", line' not in out.stderr  # torchrun's own traceback only
+    assert out.stderr.count("train.py: error: --data") == 1, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: a clear message instead of CUDA's invalid device ordinal."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "--nproc_per_node=1" in parallel.device_problem("auto")
+    assert parallel.device_problem("cpu") is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert parallel.device_problem("auto") is None
 
 
 def test_existing_run_directory_needs_resume(tmp_path):
@@ -442,3 +485,159 @@ def test_plot_writes_a_png(tmp_path):
         )
     plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- real models, resume, visible behaviour
+
+
+def test_real_model_defaults_apply_unless_flags_are_given(tmp_path):
+    model = _tiny_hf_checkpoint(tmp_path / "model")
+    cfg = train.parse_config(["--model", str(model)])
+    assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch_size) == (1e-6, 1024, 8)
+    cfg = train.parse_config(["--model", str(model), "--lr", "3e-6", "--max-new-tokens", "64"])
+    assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch_size) == (3e-6, 64, 8)
+    assert train.parse_config([]).lr == 1e-3 and train.parse_config(["--long-horizon"]).max_new_tokens == 512
+    assert train.parse_config(["--long-horizon"]).copy_lengths == (63, 511)
+    assert train.parse_config(["--token-budget", "100"]).steps == 1_000_000
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = _tiny_hf_checkpoint(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(model)
+    for name in ("config.json", "generation_config.json"):
+        path = model / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": None}))
+    with pytest.raises(train.UserError, match="EOS"):
+        train.main(["--model", str(model), "--output-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompt_that_encodes_to_nothing_is_refused():
+    class EmptyTokenizer:  # a tokenizer without a chat template that encodes the prompt to no ids
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": []}
+
+    cfg = train.parse_config(["--data", __file__])  # any existing file: only the path is checked here
+    with pytest.raises(train.UserError, match=r":7: the prompt encodes to no tokens"):
+        train.check_prompts(cfg, [train.Problem("", "1")], [7], EmptyTokenizer())
+
+
+def test_resume_refuses_changed_run_flags_and_keeps_the_first_config(tmp_path, capsys):
+    run = tmp_path / "run"
+    train.main([*TINY, "--steps", "1", "--output-dir", str(run)])
+    config = (run / "config.json").read_text()
+    changed = ["--lr", "0.002", "--seed", "1", "--estimator", "grpo"]
+    with pytest.raises(train.UserError) as error:
+        train.main([*TINY, "--steps", "2", *changed, "--output-dir", str(run), "--resume"])
+    for flag in ("--lr 0.001 -> 0.002", "--seed 0 -> 1", "--estimator 'otb' -> 'grpo'"):
+        assert flag in str(error.value)
+    with pytest.raises(train.UserError, match="--hidden-size 64 -> 96"):
+        train.main([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
+    assert (run / "config.json").read_text() == config
+    assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
+    assert [r["step"] for r in metrics(run)] == [1]
+
+
+def test_extending_steps_on_resume_keeps_the_schedule_and_records_the_change(tmp_path, capsys):
+    """--steps 2, then --steps 4 --resume: config.json keeps steps 2, the history records 2 -> 4, and steps 3-4
+    run at --min-lr-ratio x --lr (the cosine's horizon stays the first start's --steps)."""
+    run, common = tmp_path / "run", [*TINY, "--warmup-steps", "0", "--output-dir", str(tmp_path / "run")]
+    train.main([*common, "--steps", "2"])
+    train.main([*common, "--steps", "4", "--resume", "--save-every", "3"])
+    assert "extends the run past its first --steps 2" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text())["steps"] == 2
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["from_step"] for h in history] == [0, 2]
+    assert history[1]["changed"] == {"steps": [2, 4], "save_every": [50, 3]}
+    lrs = [r["lr"] for r in metrics(run)]
+    assert lrs[0] == 1e-3 and lrs[2] == lrs[3] == pytest.approx(0.1 * 1e-3, rel=1e-12)
+    capsys.readouterr()
+    train.main([*common, "--steps", "4", "--resume"])
+    assert "nothing to do" in capsys.readouterr().err
+    assert len((run / "config_history.jsonl").read_text().splitlines()) == 2
+
+
+def test_default_output_dir_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train.main([*TINY, "--steps", "1"])
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "config.json").read_text())["output_dir"] == f"runs/{run.name}"
+
+
+def test_samples_summary_and_new_metrics(tmp_path, capsys):
+    """samples.jsonl every --sample-every steps (and the first and last), the one-line summary, entropy and
+    zero-variance groups in their ranges, and the truncation warning (a 2-token cap cuts most responses)."""
+    run = tmp_path / "run"
+    args = [*TINY, "--steps", "3", "--sample-every", "2", "--num-samples", "3", "--max-new-tokens", "2"]
+    train.main([*args, "--output-dir", str(run)])
+    err = capsys.readouterr().err
+    assert "step 1: " in err and "hit --max-new-tokens 2" in err and "config: steps=3" in err
+    (summary,) = [line for line in err.splitlines() if line.startswith("train.py: done: steps 1-3")]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert set(samples[0]) == {"step", "prompt", "answer", "response", "reward", "finished", "length"}
+    assert all(s["length"] <= 2 and 0 <= s["reward"] <= 1 for s in samples)
+    for record in metrics(run):
+        assert 0 <= record["entropy_renyi2"] <= record["entropy"] + 1.0 and record["entropy"] <= math.log(15) + 1.0
+        assert 0 <= record["zero_variance_group_fraction"] <= 1 and record["truncated_fraction"] > 0.5
+
+
+def test_token_budget_stops_the_run_and_shapes_the_schedule(tmp_path):
+    run = tmp_path / "run"
+    train.main([*TINY, "--token-budget", "200", "--warmup-steps", "0", "--output-dir", str(run)])
+    records = metrics(run)
+    assert records[-1]["tokens"] >= 200 > records[-2]["tokens"]
+    for before, record in zip([{"tokens": 0}, *records], records):  # cosine in tokens generated before the step
+        progress = min(1.0, before["tokens"] / 200)
+        assert record["lr"] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))), rel=1e-12)
+    assert parallel.latest_checkpoint(run).name == f"step_{len(records):08d}"
+
+
+def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
+    """--std-normalize on otb: same rollouts; within a group the advantages are the plain ones times 1/(std + eps)."""
+    dumps = {}
+    for name, extra in (("plain", []), ("std", ["--std-normalize"])):
+        train.main(
+            [
+                *SMALL,
+                "--steps",
+                "1",
+                *extra,
+                "--output-dir",
+                str(tmp_path / name),
+                "--debug-dump",
+                str(tmp_path / f"d{name}"),
+            ]
+        )
+        dumps[name] = debug_rows(tmp_path / f"d{name}", 1, 1)
+    assert torch.equal(dumps["plain"]["response_ids"], dumps["std"]["response_ids"])
+    plain, scaled, rewards = dumps["plain"]["advantages"], dumps["std"]["advantages"], dumps["plain"]["rewards"]
+    moved = 0
+    for group in range(8):
+        rows = slice(8 * group, 8 * group + 8)
+        if float(rewards[rows].std()) == 0:
+            continue
+        expected = plain[rows] / (float(rewards[rows].std()) + 1e-8)
+        torch.testing.assert_close(scaled[rows], expected, rtol=1e-5, atol=1e-6)
+        moved += 1
+    assert moved >= 2
+
+
+def test_copy_lengths_sets_the_answer_lengths():
+    cfg = train.parse_config(["--copy-lengths", "5", "9"])
+    lengths = {len(train.problem_at(cfg, None, i).answer) for i in range(200)}
+    assert lengths == set(range(5, 10)) and len(train.problem_at(cfg, None, 0).prompt) == 10
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    train.main([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
+    (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
+    assert events.stat().st_size > 0
