@@ -483,7 +483,7 @@ def test_plot_writes_a_png(tmp_path):
                 for i, r in enumerate(rewards)
             )
         )
-    plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "plot.png")])
+    plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--label", "first", "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -641,3 +641,22 @@ def test_tensorboard_scalars_are_written(tmp_path):
     train.main([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
     (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
     assert events.stat().st_size > 0
+
+
+def test_plot_labels_come_from_each_runs_config(tmp_path):
+    import plot
+
+    configs = [
+        {"estimator": "otb", "group_size": 4, "seed": 0, "lr": 1e-3, "output_dir": "a"},
+        {"estimator": "grpo", "group_size": 32, "seed": 0, "lr": 1e-3, "output_dir": "b"},
+        {"estimator": "grpo", "group_size": 32, "seed": 0, "lr": 1e-3, "output_dir": "c"},
+        {"estimator": "otb", "group_size": 4, "seed": 1, "lr": 2e-3, "output_dir": "d"},
+    ]
+    runs = [tmp_path / c["output_dir"] for c in configs]
+    assert plot.labels_for(runs, configs) == [
+        "otb N=4 seed=0 lr=0.001",
+        "grpo N=32 seed=0 lr=0.001 (1)",
+        "grpo N=32 seed=0 lr=0.001 (2)",
+        "otb N=4 seed=1 lr=0.002",
+    ]
+    assert plot.labels_for([tmp_path / "x"], [{}]) == ["x"]  # no config.json: the directory name
