@@ -73,7 +73,7 @@ class Config:
     copy_lengths: tuple[int, int] | None = _flag(
         None, "copy task: MIN MAX answer digits (default 1 4; 63 511 with --long-horizon)", nargs=2
     )
-    long_horizon: bool = _flag(False, "copy task with 64-512 token responses and --max-new-tokens 512 (for GPUs)")
+    long_horizon: bool = _flag(False, "copy tasks with 64-512 token responses and --max-new-tokens 512 (for GPUs)")
     hidden_size: int = _flag(64, "width of the built-in model")
     num_layers: int = _flag(2, "decoder layers of the built-in model")
     prompts_per_step: int = _flag(32, "prompts per step, over all ranks")
@@ -121,7 +121,7 @@ class Config:
         """Defaults that depend on other flags, for the fields not given on the command line."""
         implied = dict(REAL_MODEL_DEFAULTS) if self.model else {}
         if self.long_horizon:
-            implied.update(task="copy", max_new_tokens=512)
+            implied.update(max_new_tokens=512)
         if self.token_budget:
             implied["steps"] = 1_000_000
         for name, value in implied.items():
@@ -160,8 +160,8 @@ class Config:
             (self.sample_every >= 0, "--sample-every must be >= 0"),
             (self.num_samples >= 0, "--num-samples must be >= 0"),
             (
-                not (self.long_horizon and self.task != "copy"),
-                "--long-horizon is the copy task: drop --task or --long-horizon",
+                not (self.long_horizon and self.task == "add"),
+                "--long-horizon is for the copy tasks, not --task add",
             ),
             (not self.resume or self.output_dir, "--resume needs --output-dir (the run to continue)"),
             (self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
@@ -362,9 +362,25 @@ class Policy(nn.Module):
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
 
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str):
+    """``AutoTokenizer``, except that a tokenizer_config.json naming a generic fast tokenizer gets exactly its
+    tokenizer.json: transformers 5 otherwise builds the model type's own class (e.g. Qwen2Tokenizer, whose
+    byte-level pre-tokenizer silently dropped the spaces of a character-level vocabulary)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def build_model_and_tokenizer(cfg: Config):
     """(causal LM in fp32, tokenizer, EOS ids, pad id): the built-in tiny Qwen2, or ``--model``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     if not cfg.model:
         tokenizer, width = CharTokenizer(), cfg.hidden_size
@@ -385,7 +401,7 @@ def build_model_and_tokenizer(cfg: Config):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return lm, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        tokenizer = load_tokenizer(cfg.model)
         lm = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - any loading failure is the user's checkpoint
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

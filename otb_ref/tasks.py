@@ -23,6 +23,12 @@ Built-in tasks (``SYNTHETIC_TASKS``):
          transformer learns quickly. A uniform random policy scores about
          0.02. With ``copy_lengths=(63, 511)`` (``--long-horizon``) correct
          responses are 64–512 tokens long.
+``copy_exact`` the ``copy`` prompts with a 0/1 reward: 1 exactly when the
+         response is the answer followed by EOS. With long answers
+         (``copy_lengths=(64, 80)``) a correct response is 65–81 tokens and
+         one wrong digit anywhere scores 0: the sparse, long-horizon outcome
+         reward of the paper's setting, for a warm-started model
+         (``experiments/warm_start.py``) to improve on.
 ``add``  ``"a+b="`` with digits ``a, b``; the answer is ``a+b`` in decimal
          (one or two digits). Reward 1 when the last number of the response
          equals the answer (:func:`math_reward`) and the response ended with
@@ -49,7 +55,7 @@ __all__ = [
     "copy_reward",
 ]
 
-SYNTHETIC_TASKS = ("add", "copy")
+SYNTHETIC_TASKS = ("add", "copy", "copy_exact")
 
 
 class Problem(NamedTuple):
@@ -97,11 +103,12 @@ def synthetic_problem(task: str, seed: int, index: int, copy_lengths: tuple[int,
         seed: run seed; ``index``: position in the infinite problem stream.
         copy_lengths: inclusive ``(min, max)`` digit count for ``copy``; ``max`` is the field width.
     """
-    rng = random.Random(f"{task}:{seed}:{index}")  # str seeds hash with sha512: stable across runs
+    stream = "copy" if task == "copy_exact" else task  # copy_exact: the copy task's prompts
+    rng = random.Random(f"{stream}:{seed}:{index}")  # str seeds hash with sha512: stable across runs
     if task == "add":
         a, b = rng.randrange(10), rng.randrange(10)
         return Problem(f"{a}+{b}=", str(a + b))
-    if task == "copy":
+    if task in ("copy", "copy_exact"):
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(*copy_lengths)))
         return Problem(digits.ljust(copy_lengths[1]) + "=", digits)  # fixed-width field: "37  =" -> "37"
     raise ValueError(f"task: unknown synthetic task {task!r}; choose one of {SYNTHETIC_TASKS}")
@@ -170,4 +177,6 @@ def synthetic_reward(task: str, response: str, answer: str, finished: bool) -> f
     """Reward of a synthetic task's response; 0 when the response did not end with EOS."""
     if not finished:
         return 0.0
+    if task == "copy_exact":
+        return float(response == answer)
     return math_reward(response, answer) if task == "add" else copy_reward(response, answer)

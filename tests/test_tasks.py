@@ -91,3 +91,16 @@ def test_char_tokenizer_round_trip():
     assert min(ids) >= 2 and tokenizer.decode(ids + [tokenizer.eos_token_id, tokenizer.pad_token_id]) == "12+3= "
     with pytest.raises(ValueError, match="'x'"):
         tokenizer.encode("x")
+
+
+def test_copy_exact_is_all_or_nothing_on_the_copy_prompts():
+    assert synthetic_problem("copy_exact", 3, 7, copy_lengths=(64, 80)) == synthetic_problem(
+        "copy", 3, 7, copy_lengths=(64, 80)
+    )
+    answer = synthetic_problem("copy_exact", 0, 0, copy_lengths=(64, 80)).answer
+    assert 64 <= len(answer) <= 80
+    assert synthetic_reward("copy_exact", answer, answer, finished=True) == 1.0
+    assert synthetic_reward("copy_exact", answer, answer, finished=False) == 0.0
+    wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+    assert synthetic_reward("copy_exact", wrong, answer, finished=True) == 0.0
+    assert synthetic_reward("copy_exact", answer + "1", answer, finished=True) == 0.0
