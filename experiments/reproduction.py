@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import warm_start  # noqa: E402
-from common import machine_name, write_report  # noqa: E402
+from common import write_report  # noqa: E402
 
 TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]
 ARMS = {  # name -> train.py flags
@@ -141,3 +141,150 @@ def mean_spread(values: list[float | None]) -> str:
     text = f"{statistics.mean(known):.3g}"
     text += f" ± {statistics.stdev(known):.2g}" if len(known) > 1 else ""
     return text + (f" ({len(known)}/{len(values)} reached)" if len(known) < len(values) else "")
+
+
+def load_runs(runs: dict[tuple[str, int], Path], budget: int) -> dict[str, list[dict]]:
+    """arm -> [per-seed summary with its records]."""
+    by_arm: dict[str, list[dict]] = {}
+    for (name, seed), out in sorted(runs.items()):
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        by_arm.setdefault(name, []).append({"seed": seed, "records": records, **run_summary(records, budget)})
+    return by_arm
+
+
+def table(by_arm: dict[str, list[dict]]) -> list[str]:
+    keys = [
+        "steps",
+        "start_reward",
+        "final_reward",
+        "peak_reward",
+        "tokens_to_target",
+        "grad_norm_max",
+        "grad_norm_spikes",
+        "entropy_final",
+        "zero_variance_final",
+    ]
+    lines = ["| arm | seeds | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for name, seeds in by_arm.items():
+        cells = [mean_spread([s[k] for s in seeds]) for k in keys]
+        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def verdict(by_arm: dict[str, list[dict]]) -> str:
+    """The rule written in the report, applied to OTB N=4 vs GRPO N=32 (and GRPO N=4 as the control)."""
+    if not {"otb_n4", "grpo_n32", "grpo_n4"} <= set(by_arm):
+        return "Verdict: not computed (the otb_n4, grpo_n32 and grpo_n4 arms are all needed)."
+    final = {k: [s["final_reward"] for s in v] for k, v in by_arm.items()}
+    mean = {k: statistics.mean(v) for k, v in final.items()}
+    spread = {k: statistics.stdev(v) if len(v) > 1 else 0.0 for k, v in final.items()}
+    matches = mean["otb_n4"] >= mean["grpo_n32"] - max(spread["otb_n4"], spread["grpo_n32"])
+    beats_control = mean["otb_n4"] > mean["grpo_n4"] + max(spread["otb_n4"], spread["grpo_n4"])
+    numbers = ", ".join(f"{k} {mean[k]:.3f} ± {spread[k]:.3f}" for k in ("otb_n4", "grpo_n32", "grpo_n4"))
+    if matches and beats_control:
+        word = "reproduced"
+    elif matches:
+        word = "partially reproduced (OTB N=4 matches GRPO N=32 at equal tokens, but so does GRPO N=4)"
+    else:
+        word = "not reproduced"
+    return f"Verdict: {word}. Final reward at equal generated tokens (mean ± std over seeds): {numbers}."
+
+
+def plot(by_arm: dict[str, list[dict]], budget: int, out_dir: Path) -> list[str]:
+    from common import new_figure
+
+    figure, (reward_axis, norm_axis, entropy_axis) = new_figure(3, width=5.0)
+    grid = [budget * i / 50 for i in range(1, 51)]
+    for name, seeds in by_arm.items():
+        curves = []
+        for s in seeds:
+            points = smoothed(s["records"], SMOOTH_TOKENS)
+            curves.append([next((r for t, r in reversed(points) if t <= x), math.nan) for x in grid])
+        mean = [statistics.mean(c[i] for c in curves) for i in range(len(grid))]
+        line = reward_axis.plot(grid, mean, label=name)[0]
+        if len(curves) > 1:
+            low = [min(c[i] for c in curves) for i in range(len(grid))]
+            high = [max(c[i] for c in curves) for i in range(len(grid))]
+            reward_axis.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
+        for s in seeds[:1]:
+            tokens = [r["tokens"] for r in s["records"]]
+            norm_axis.plot(tokens, [r["grad_norm"] for r in s["records"]], color=line.get_color(), lw=0.8, label=name)
+            entropy_axis.plot(tokens, [r["entropy"] for r in s["records"]], color=line.get_color(), lw=0.8)
+    reward_axis.axhline(TARGET, color="grey", ls=":", lw=0.8)
+    reward_axis.set(
+        xlabel="generated tokens", ylabel="reward (trailing window)", title="reward: mean, min-max over seeds"
+    )
+    norm_axis.set(xlabel="generated tokens", ylabel="gradient norm (first seed)", yscale="log", title="gradient norm")
+    entropy_axis.set(xlabel="generated tokens", ylabel="nats per token (first seed)", title="entropy")
+    reward_axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out_dir / "reproduction.png", dpi=110)
+    return ["![reward, gradient norm and entropy vs generated tokens](reproduction.png)"]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny warm start, 2 arms, 1 seed, a few steps")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--token-budget", type=int, default=300_000)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "reproduction")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.quick:
+        args.seeds, args.arms, args.token_budget = args.seeds[:1], ["grpo_n4", "otb_n4"], 400
+        TASK[3:5], TASK[-1] = ["2", "3"], "6"
+    warm = args.runs_dir / "warm_start"
+    if not (warm / "config.json").exists():
+        shutil.rmtree(warm, ignore_errors=True)
+        lengths = TASK[3:5]
+        extra = ["--steps", "10", "--hidden-size", "32"] if args.quick else []
+        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", *lengths, *extra])
+    jobs = [(name, seed) for seed in args.seeds for name in args.arms]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        outs = list(pool.map(lambda job: run_arm(*job, args.token_budget, warm, args.runs_dir), jobs))
+    by_arm = load_runs(dict(zip(jobs, outs)), args.token_budget)
+    warm_record = json.loads((warm / "warm_start.json").read_text())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    sections = [
+        f"Warm start: `{warm_record['command']}` ({warm_record['steps_run']} supervised steps, sampled reward "
+        f"{warm_record['final_sampled_reward']}). Task flags: `{' '.join(TASK)}`; common flags: `{' '.join(COMMON)}`; "
+        f"token budget {args.token_budget} per run; seeds {args.seeds}.",
+        "",
+        f"Target reward {TARGET}; reward curves are trailing means over the last {SMOOTH_TOKENS} generated tokens; "
+        f"a spike is a step whose gradient norm exceeds {SPIKE_FACTOR}x the run's median. Cells: mean ± std over "
+        "seeds.",
+        "",
+        *table(by_arm),
+        "",
+        verdict(by_arm),
+        "",
+        "Verdict rule (fixed before the runs): *reproduced* if OTB N=4's final reward is at least GRPO N=32's minus "
+        "the larger of their seed spreads, at the same generated tokens, AND exceeds GRPO N=4's by more than the "
+        "larger spread (the saving is OTB's, not N=4's); *partially* if only the first holds; *not* otherwise.",
+        "",
+        *plot(by_arm, args.token_budget, args.out_dir),
+    ]
+    (args.out_dir / "reproduction.json").write_text(
+        json.dumps(
+            {k: [{key: v for key, v in s.items() if key != "records"} for s in seeds] for k, seeds in by_arm.items()},
+            indent=1,
+        )
+    )
+    return write_report(
+        "reproduction",
+        "Reproduction: OTB N=4 vs GRPO N=32 at equal generated tokens",
+        sections,
+        time.perf_counter() - started,
+        args.out_dir,
+    )
+
+
+if __name__ == "__main__":
+    print(main())
