@@ -70,8 +70,8 @@ SMOOTH_TOKENS = 20_000
 SPIKE_FACTOR = 5.0  # a gradient-norm spike: above this multiple of the run's median
 
 
-def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path) -> Path:
-    """One train.py run (skipped when a finished run is already there)."""
+def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: list[str] | None = None) -> Path:
+    """One train.py run with ``flags`` (default: TASK, COMMON and the arm's); skipped when already finished."""
     out = runs / f"{name}_seed{seed}"
     if (out / "metrics.jsonl").exists() and (out / "checkpoints").exists():
         return out
@@ -81,9 +81,7 @@ def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path) -> Path:
         str(ROOT / "train.py"),
         "--model",
         str(warm),
-        *TASK,
-        *COMMON,
-        *ARMS[name],
+        *(flags if flags is not None else [*TASK, *COMMON, *ARMS[name]]),
         "--token-budget",
         str(budget),
         "--seed",
