@@ -49,7 +49,7 @@ ARMS = {  # name -> train.py flags
 }
 COMMON = [
     "--prompts-per-step",
-    "8",
+    "4",
     "--lr",
     "1e-4",
     "--warmup-steps",
@@ -90,9 +90,12 @@ def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: li
         str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    log = runs / f"{name}_seed{seed}.log"  # a file, not a pipe: the run survives its driver
+    runs.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as stream:
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{name} seed {seed} failed:\n{log.read_text()[-3000:]}")
     return out
 
 
@@ -225,7 +228,7 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="tiny warm start, 2 arms, 1 seed, a few steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--token-budget", type=int, default=300_000)
+    parser.add_argument("--token-budget", type=int, default=200_000)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "reproduction")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
