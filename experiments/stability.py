@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--token-budget", type=int, default=250_000)
+    parser.add_argument("--token-budget", type=int, default=120_000)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "stability")
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
