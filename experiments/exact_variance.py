@@ -40,7 +40,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from common import new_figure, write_report  # noqa: E402
 
+from otb_ref import ESTIMATORS  # noqa: E402
 from otb_ref.exact import (  # noqa: E402
+    POPULATION_ESTIMATORS,
     SharedPolicy,
     TreePolicy,
     enumerate_policy,
@@ -50,23 +52,14 @@ from otb_ref.exact import (  # noqa: E402
     population_advantages,
 )
 
-# Population estimators (otb_ref.exact.POPULATION_ESTIMATORS names) and their labels in the report.
-POPULATION = [
-    "none",
-    "mean",
-    "opo",
-    "sequence_proxy",
-    "eob",
-    "token_mean",
-    "token_length",
-    "otb",
-    "otb_exact",
-    "optimal",
+# Population estimators and group estimators: the library's own tables (otb_ref.exact.POPULATION_ESTIMATORS,
+# otb_ref.ESTIMATORS), in their order; two references are computed from the population moments.
+POPULATION = list(POPULATION_ESTIMATORS)
+SEQUENCE_LEVEL = [n for n, (granularity, _) in POPULATION_ESTIMATORS.items() if granularity == "sequence"]
+TOKEN_LEVEL = [
+    n for n, (granularity, energy) in POPULATION_ESTIMATORS.items() if granularity == "token" and energy != "optimal"
 ]
-SEQUENCE_LEVEL = ["mean", "opo", "sequence_proxy", "eob"]
-TOKEN_LEVEL = ["token_mean", "token_length", "otb", "otb_exact"]
-# Group estimators (otb_ref.ESTIMATORS names), and two references computed from the population moments.
-GROUP = ["grpo", "rloo", "opo", "sequence_proxy", "eob", "token_mean", "token_length", "otb", "otb_exact"]
+GROUP = list(ESTIMATORS)
 REFERENCES = ["none", "optimal"]
 ENERGY_WEIGHTED = ["opo", "sequence_proxy", "eob", "otb", "otb_exact"]
 LABELS = {

@@ -36,21 +36,10 @@ import torch
 
 from otb_ref.advantages import ESTIMATORS
 from otb_ref.exact.groups import MAX_TUPLES, group_moments
-from otb_ref.exact.moments import estimator_moments, outcome_rewards, population_advantages
+from otb_ref.exact.moments import POPULATION_ESTIMATORS, estimator_moments, outcome_rewards, population_advantages
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
 
-POPULATION_ROWS = [
-    "none",
-    "mean",
-    "opo",
-    "sequence_proxy",
-    "eob",
-    "token_mean",
-    "token_length",
-    "otb",
-    "otb_exact",
-    "optimal",
-]
+POPULATION_ROWS = list(POPULATION_ESTIMATORS)  # the table's columns, in the estimator table's order
 GROUP_ROWS = ["grpo", "rloo", "opo", "sequence_proxy", "eob", "token_mean", "otb", "otb_exact"]
 # Summary groupings of GROUP_ROWS: energy-weighted means (include-self biases them by more than 1/N), and the two
 # granularities whose leave-one-out forms coincide at N = 2 (a single other response's weight cancels).
