@@ -446,6 +446,15 @@ def check_prompts(cfg: Config, data: list[Problem], line_numbers: list[int], tok
             raise UserError(f"--data {cfg.data}:{number}: the prompt encodes to no tokens with this tokenizer")
 
 
+def left_pad(rows: list[list[int]], pad_id: int, width: int | None = None, device=None):
+    """(ids [B, width] int64, mask [B, width] 0/1 int64): each row right-aligned, ``pad_id`` and 0 on its left.
+    ``width`` defaults to the longest row."""
+    width = max(len(ids) for ids in rows) if width is None else width
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 @functools.lru_cache(maxsize=2)
 def _epoch_order(seed: int, epoch: int, size: int) -> list[int]:
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
@@ -561,8 +570,7 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
     encoded = [encode_prompt(run.tokenizer, problem.prompt) for problem in problems]
     width = max(len(ids) for ids in encoded)  # pad to the GLOBAL longest: the same layout on any world size
     rows = [encoded[p] for p in run.prompt_positions for _ in range(n)]
-    prompt_ids = torch.tensor([[run.pad_id] * (width - len(ids)) + ids for ids in rows], device=env.device)
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=env.device)
+    prompt_ids, prompt_mask = left_pad(rows, run.pad_id, width, env.device)
     uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[run.global_rows]
     with parallel.gathered_for_generation(run.policy):
         decoder = StaticKVDecoder(run.policy, run.policy.lm, cfg.max_new_tokens) if cfg.static_decode else run.policy

@@ -1,4 +1,4 @@
-"""What every experiment shares: the machine's name, the report file, plots. No experiment logic here."""
+"""What every experiment shares: the machine's name, the report file, plots, and sampling a synthetic task."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "results"
 
 
 def machine_name() -> str:
@@ -62,3 +65,40 @@ def new_figure(columns: int = 1, width: float = 5.5, height: float = 4.0):
 
     figure, axes = plt.subplots(1, columns, figsize=(width * columns, height), squeeze=False)
     return figure, list(axes[0])
+
+
+class SyntheticSample(NamedTuple):
+    """``group_size`` responses per problem, prompt-major (rows ``p * group_size + i``)."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded with the pad id 0
+    prompt_mask: torch.Tensor  # [B, P] 0/1
+    rollout: object  # otb_ref.rollout.Rollout: response_ids, response_mask, finished
+    texts: list[str]  # B decoded responses
+    scores: list[float]  # B task rewards (0 without EOS)
+
+
+@torch.no_grad()
+def sample_synthetic(lm, problems, group_size: int, task: str, seed: int, step: int, max_new_tokens: int):
+    """train.py's sampler on a built-in task: character tokenizer, temperature 1, the uniforms of ``(seed, step)``,
+    the task's reward. Returns a :class:`SyntheticSample`."""
+    import train
+    from otb_ref.rollout import generate, sampling_uniforms
+    from otb_ref.tasks import CharTokenizer, synthetic_reward
+
+    tokenizer = CharTokenizer()
+    rows = [tokenizer.encode(problem.prompt) for problem in problems for _ in range(group_size)]
+    prompt_ids, prompt_mask = train.left_pad(rows, tokenizer.pad_token_id)
+    out = generate(
+        train.Policy(lm, temperature=1.0, chunk_size=None),
+        prompt_ids,
+        prompt_mask,
+        sampling_uniforms(seed, step, len(rows), max_new_tokens),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=max_new_tokens,
+    )
+    lengths = out.response_mask.sum(dim=1)
+    texts = [tokenizer.decode(row[: int(n)].tolist()) for row, n in zip(out.response_ids, lengths)]
+    answers = [problem.answer for problem in problems for _ in range(group_size)]
+    scores = [synthetic_reward(task, *row) for row in zip(texts, answers, out.finished.tolist())]
+    return SyntheticSample(prompt_ids, prompt_mask, out, texts, scores)

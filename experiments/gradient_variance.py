@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import snapshots  # noqa: E402
-from common import RESULTS, new_figure, write_report  # noqa: E402
+from common import RESULTS, new_figure, sample_synthetic, write_report  # noqa: E402
 
 import train  # noqa: E402
 from otb_ref import compute_advantages  # noqa: E402
-from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms  # noqa: E402
-from otb_ref.tasks import CharTokenizer, synthetic_problem, synthetic_reward  # noqa: E402
+from otb_ref.rollout import position_ids_from_mask  # noqa: E402
+from otb_ref.tasks import synthetic_problem  # noqa: E402
 
 # name -> (otb_ref estimator, flags); None is REINFORCE without a baseline (advantage = return).
 ESTIMATORS = {
@@ -100,33 +100,17 @@ class Sample:
 
 def sample_batch(lm, problems, group_size: int, replicate: int, max_new_tokens: int, seed: int, task: str) -> Sample:
     """``group_size`` responses to each problem (temperature 1, train.py's sampler and reward), with log π and Σπ²."""
-    tokenizer = CharTokenizer()
-    encoded = [tokenizer.encode(problem.prompt) for problem in problems]
-    if len({len(ids) for ids in encoded}) != 1:
+    if len({len(problem.prompt) for problem in problems}) != 1:
         raise ValueError("prompts of different lengths: the per-row Jacobian assumes no left padding")
-    prompt_ids = torch.tensor([ids for ids in encoded for _ in range(group_size)])
-    prompt_mask = torch.ones_like(prompt_ids)
-    policy = train.Policy(lm, 1.0, None)
-    uniforms = sampling_uniforms(seed, replicate, len(prompt_ids), max_new_tokens)
-    out = generate(
-        policy,
-        prompt_ids,
-        prompt_mask,
-        uniforms,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=max_new_tokens,
-    )
+    drawn = sample_synthetic(lm, problems, group_size, task, seed, replicate, max_new_tokens)
+    out, prompt_ids = drawn.rollout, drawn.prompt_ids
     lengths = out.response_mask.sum(dim=1)
-    answers = [problem.answer for problem in problems for _ in range(group_size)]
-    scores = [
-        synthetic_reward(task, tokenizer.decode(row[: int(n)].tolist()), answer, bool(done))
-        for row, n, answer, done in zip(out.response_ids, lengths, answers, out.finished)
-    ]
-    rewards = torch.zeros(out.response_mask.shape).scatter_(1, (lengths - 1)[:, None], torch.tensor(scores)[:, None])
+    scores = torch.tensor(drawn.scores)[:, None]
+    rewards = torch.zeros(out.response_mask.shape).scatter_(1, (lengths - 1)[:, None], scores)
     sequences = torch.cat([prompt_ids, out.response_ids], dim=1)
-    attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
+    attention = torch.cat([drawn.prompt_mask.bool(), out.response_mask], dim=1)
     with torch.no_grad():
+        policy = train.Policy(lm, 1.0, None)
         log_probs, sum_pi_sq = policy(sequences, attention, position_ids_from_mask(attention), targets=out.response_ids)
     return Sample(sequences, out.response_mask, rewards, log_probs, sum_pi_sq, prompt_ids.shape[1], group_size)
 

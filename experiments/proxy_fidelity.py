@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import snapshots  # noqa: E402
-from common import RESULTS, new_figure, write_report  # noqa: E402
+from common import RESULTS, new_figure, sample_synthetic, write_report  # noqa: E402
 
 import train  # noqa: E402
 from otb_ref.proxy import token_energy  # noqa: E402
-from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms  # noqa: E402
-from otb_ref.tasks import CharTokenizer, synthetic_problem, synthetic_reward  # noqa: E402
+from otb_ref.rollout import position_ids_from_mask  # noqa: E402
+from otb_ref.tasks import synthetic_problem  # noqa: E402
 
 TASK = "copy_exact"
 SNAPSHOTS = ("init", "warm", "mid", "late")
@@ -68,32 +68,16 @@ PLANS = {"full": Plan("copy16", 16, 8), "quick": Plan("quick", 2, 3)}
 @torch.no_grad()
 def sample(lm, setting: snapshots.Setting, plan: Plan) -> dict:
     """``groups x group_size`` temperature-1 responses (rows of a group adjacent), their rewards and layout."""
-    tokenizer, max_new = CharTokenizer(), setting.copy_lengths[1] + 8
     problems = [synthetic_problem(TASK, PROMPT_SEED, i, copy_lengths=setting.copy_lengths) for i in range(plan.groups)]
-    rows = [tokenizer.encode(p.prompt) for p in problems for _ in range(plan.group_size)]
-    width = max(len(r) for r in rows)
-    prompt_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-    prompt_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.bool)
-    out = generate(
-        train.Policy(lm, temperature=1.0, chunk_size=None),
-        prompt_ids,
-        prompt_mask,
-        sampling_uniforms(PROMPT_SEED, 0, len(rows), max_new),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=0,
-        max_new_tokens=max_new,
-    )
-    texts = [tokenizer.decode(r[: int(n)].tolist()) for r, n in zip(out.response_ids, out.response_mask.sum(1))]
-    answers = [p.answer for p in problems for _ in range(plan.group_size)]
-    rewards = [synthetic_reward(TASK, *row) for row in zip(texts, answers, out.finished.tolist())]
-    attention = torch.cat([prompt_mask, out.response_mask], dim=1)
+    drawn = sample_synthetic(lm, problems, plan.group_size, TASK, PROMPT_SEED, 0, setting.copy_lengths[1] + 8)
+    out = drawn.rollout
     return {
-        "sequences": torch.cat([prompt_ids, out.response_ids], dim=1),
-        "attention": attention,
+        "sequences": torch.cat([drawn.prompt_ids, out.response_ids], dim=1),
+        "attention": torch.cat([drawn.prompt_mask.bool(), out.response_mask], dim=1),
         "response_ids": out.response_ids,
         "mask": out.response_mask,
         "group": torch.arange(plan.groups).repeat_interleave(plan.group_size),
-        "reward": sum(rewards) / len(rewards),
+        "reward": sum(drawn.scores) / len(drawn.scores),
     }
 
 

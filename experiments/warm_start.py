@@ -27,10 +27,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from common import sample_synthetic  # noqa: E402
 
 import train  # noqa: E402  (the built-in model recipe and the prompt stream)
-from otb_ref.rollout import generate, sampling_uniforms  # noqa: E402
-from otb_ref.tasks import CharTokenizer, synthetic_problem, synthetic_reward  # noqa: E402
+from otb_ref.tasks import CharTokenizer, synthetic_problem  # noqa: E402
 
 EVAL_SEED_OFFSET = 10_000  # held-out prompts: another seed of the same stream
 
@@ -67,27 +69,10 @@ def supervised_batch(task: str, seed: int, start: int, size: int, copy_lengths, 
 @torch.no_grad()
 def sampled_reward(lm, task: str, seed: int, copy_lengths, num_prompts: int, max_new_tokens: int) -> float:
     """Mean task reward of one temperature-1 sample per held-out prompt (the RL sampling rule)."""
-    tokenizer = CharTokenizer()
-    problems = [
-        synthetic_problem(task, seed + EVAL_SEED_OFFSET, i, copy_lengths=copy_lengths) for i in range(num_prompts)
-    ]
-    encoded = [tokenizer.encode(p.prompt) for p in problems]
-    width = max(len(e) for e in encoded)
-    prompt_ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])
-    prompt_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    policy = train.Policy(lm, temperature=1.0, chunk_size=None)
-    out = generate(
-        policy,
-        prompt_ids,
-        prompt_mask,
-        sampling_uniforms(seed + EVAL_SEED_OFFSET, 0, num_prompts, max_new_tokens),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=0,
-        max_new_tokens=max_new_tokens,
-    )
-    texts = [tokenizer.decode(row[: int(n)].tolist()) for row, n in zip(out.response_ids, out.response_mask.sum(1))]
-    rewards = [synthetic_reward(task, t, p.answer, bool(f)) for t, p, f in zip(texts, problems, out.finished)]
-    return sum(rewards) / len(rewards)
+    held_out = seed + EVAL_SEED_OFFSET
+    problems = [synthetic_problem(task, held_out, i, copy_lengths=copy_lengths) for i in range(num_prompts)]
+    scores = sample_synthetic(lm, problems, 1, task, held_out, 0, max_new_tokens).scores
+    return sum(scores) / len(scores)
 
 
 def parse_args(argv):
