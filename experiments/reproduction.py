@@ -39,6 +39,7 @@ import warm_start  # noqa: E402
 from common import write_report  # noqa: E402
 
 TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]
+QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]  # --quick (tests)
 ARMS = {  # name -> train.py flags
     "grpo_n32": ["--estimator", "grpo", "--group-size", "32"],
     "grpo_n4": ["--estimator", "grpo", "--group-size", "4"],
@@ -47,11 +48,8 @@ ARMS = {  # name -> train.py flags
     "rloo_n4": ["--estimator", "rloo", "--group-size", "4"],
     "otb_n32": ["--estimator", "otb", "--group-size", "32"],
 }
-COMMON = [
-    "--prompts-per-step",
-    "4",
-    "--lr",
-    "1e-4",
+# Run bookkeeping shared with experiments/stability.py: no warmup, logging and saving, CPU.
+RUN_FLAGS = [
     "--warmup-steps",
     "0",
     "--micro-batch-size",
@@ -65,13 +63,14 @@ COMMON = [
     "--device",
     "cpu",
 ]
+COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", *RUN_FLAGS]
 TARGET = 0.8
 SMOOTH_TOKENS = 20_000
 SPIKE_FACTOR = 5.0  # a gradient-norm spike: above this multiple of the run's median
 
 
-def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: list[str] | None = None) -> Path:
-    """One train.py run with ``flags`` (default: TASK, COMMON and the arm's); skipped when already finished."""
+def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: list[str]) -> Path:
+    """One train.py run from ``warm`` with ``flags``, into ``runs/<name>_seed<seed>``; skipped when finished."""
     out = runs / f"{name}_seed{seed}"
     if (out / "metrics.jsonl").exists() and (out / "checkpoints").exists():
         return out
@@ -81,7 +80,7 @@ def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: li
         str(ROOT / "train.py"),
         "--model",
         str(warm),
-        *(flags if flags is not None else [*TASK, *COMMON, *ARMS[name]]),
+        *flags,
         "--token-budget",
         str(budget),
         "--seed",
@@ -223,6 +222,16 @@ def plot(by_arm: dict[str, list[dict]], budget: int, out_dir: Path) -> list[str]
     return ["![reward, gradient norm and entropy vs generated tokens](reproduction.png)"]
 
 
+def ensure_warm_start(warm: Path, task: list[str]) -> Path:
+    """The warm start for ``task`` (its --copy-lengths) at ``warm``, trained if missing; a tiny one for QUICK_TASK."""
+    if not (warm / "config.json").exists():
+        shutil.rmtree(warm, ignore_errors=True)
+        lengths = task[task.index("--copy-lengths") + 1 :][:2]
+        extra = ["--steps", "10", "--hidden-size", "32"] if task == QUICK_TASK else []
+        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", *lengths, *extra])
+    return warm
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny warm start, 2 arms, 1 seed, a few steps")
@@ -238,24 +247,23 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     started = time.perf_counter()
+    task = QUICK_TASK if args.quick else TASK
     if args.quick:
         args.seeds, args.arms, args.token_budget = args.seeds[:1], ["grpo_n4", "otb_n4"], 400
-        TASK[3:5], TASK[-1] = ["2", "3"], "6"
-    warm = args.runs_dir / "warm_start"
-    if not (warm / "config.json").exists():
-        shutil.rmtree(warm, ignore_errors=True)
-        lengths = TASK[3:5]
-        extra = ["--steps", "10", "--hidden-size", "32"] if args.quick else []
-        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", *lengths, *extra])
+    warm = ensure_warm_start(args.runs_dir / "warm_start", task)
     jobs = [(name, seed) for seed in args.seeds for name in args.arms]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        outs = list(pool.map(lambda job: run_arm(*job, args.token_budget, warm, args.runs_dir), jobs))
+        outs = list(
+            pool.map(
+                lambda job: run_arm(*job, args.token_budget, warm, args.runs_dir, [*task, *COMMON, *ARMS[job[0]]]), jobs
+            )
+        )
     by_arm = load_runs(dict(zip(jobs, outs)), args.token_budget)
     warm_record = json.loads((warm / "warm_start.json").read_text())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sections = [
         f"Warm start: `{warm_record['command']}` ({warm_record['steps_run']} supervised steps, sampled reward "
-        f"{warm_record['final_sampled_reward']}). Task flags: `{' '.join(TASK)}`; common flags: `{' '.join(COMMON)}`; "
+        f"{warm_record['final_sampled_reward']}). Task flags: `{' '.join(task)}`; common flags: `{' '.join(COMMON)}`; "
         f"token budget {args.token_budget} per run; seeds {args.seeds}.",
         "",
         f"Target reward {TARGET}; reward curves are trailing means over the last {SMOOTH_TOKENS} generated tokens; "

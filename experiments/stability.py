@@ -29,28 +29,7 @@ import reproduction  # noqa: E402
 from common import new_figure, write_report  # noqa: E402
 
 ARMS = {name: ["--estimator", name, "--group-size", "8"] for name in ("grpo", "rloo", "otb")}
-COMMON = [
-    "--prompts-per-step",
-    "8",
-    "--lr",
-    "1e-3",
-    "--warmup-steps",
-    "0",
-    "--epochs",
-    "2",
-    "--mini-batches",
-    "2",
-    "--micro-batch-size",
-    "64",
-    "--save-every",
-    "0",
-    "--keep-checkpoints",
-    "1",
-    "--sample-every",
-    "50",
-    "--device",
-    "cpu",
-]
+COMMON = ["--prompts-per-step", "8", "--lr", "1e-3", "--epochs", "2", "--mini-batches", "2", *reproduction.RUN_FLAGS]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -88,18 +67,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
-    started, task = time.perf_counter(), list(reproduction.TASK)
+    started, task = time.perf_counter(), reproduction.QUICK_TASK if args.quick else reproduction.TASK
     if args.quick:
-        args.seeds, args.token_budget, task = (
-            args.seeds[:1],
-            300,
-            ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"],
-        )
-        args.warm = args.runs_dir / "warm_start"
-        if not (args.warm / "config.json").exists():
-            reproduction.warm_start.main(
-                ["--out", str(args.warm), "--copy-lengths", "2", "3", "--steps", "5", "--hidden-size", "32"]
-            )
+        args.seeds, args.token_budget = args.seeds[:1], 300
+        args.warm = reproduction.ensure_warm_start(args.runs_dir / "warm_start", task)
     if not (args.warm / "config.json").exists():
         raise SystemExit(f"stability.py: error: {args.warm}: no warm start; run experiments/reproduction.py first")
     jobs = [(name, seed) for seed in args.seeds for name in ARMS]
