@@ -262,6 +262,11 @@ def config_record(cfg: Config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def config_changes(before: dict, after: dict) -> dict[str, list]:
+    """``{flag: [before, after]}`` for every configuration field whose JSON value differs."""
+    return {k: [before.get(k), after.get(k)] for k in {**before, **after} if before.get(k) != after.get(k)}
+
+
 def describe(cfg: Config) -> str:
     """The effective configuration, ``name=value`` wrapped to 118 columns (printed at start)."""
     pairs = [f"{k}={v}" for k, v in config_record(cfg).items() if not k.startswith("debug_")]
@@ -314,10 +319,8 @@ def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
             raise UserError(f"--resume: {output_dir} holds a run but no config.json to check the flags against")
         return None
     first = json.loads(config_file.read_text())
-    now = config_record(cfg)
-    changed = [
-        f"--{k.replace('_', '-')} {first.get(k)!r} -> {now[k]!r}" for k in RUN_DEFINING if first.get(k) != now[k]
-    ]
+    changes = config_changes(first, config_record(cfg))
+    changed = [f"--{k.replace('_', '-')} {changes[k][0]!r} -> {changes[k][1]!r}" for k in RUN_DEFINING if k in changes]
     if changed:
         raise UserError(
             f"--resume: flags that define the run differ from {config_file}: {'; '.join(changed)} "
@@ -929,7 +932,7 @@ def start_logs(run: Run, first: dict | None, state: dict, latest: Path | None) -
         out.mkdir(parents=True, exist_ok=True)
         if first is None:
             (out / "config.json").write_text(json.dumps(now, indent=1))
-        changed = {k: [v, now[k]] for k, v in (first or now).items() if now.get(k) != v and k != "resume"}
+        changed = {k: v for k, v in config_changes(first or now, now).items() if k != "resume"}
         with open(out / "config_history.jsonl", "a") as file:
             file.write(
                 json.dumps(
