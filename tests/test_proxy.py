@@ -212,6 +212,24 @@ def test_chunked_rejects_bad_input(kwargs, name):
         logprobs_and_sum_pi_squared(**kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_energy_absolute_error_near_deterministic_tokens(dtype):
+    """token_energy's error is absolute, a few ulp of 1, even where w ~ (1 − π_y)² is far below that (π_y → 1).
+
+    Reference: ``(1 − π_y)² + Σ_{v≠y} π_v²`` with ``1 − π_y = −expm1(log π_y)``, in fp64 from fp64 logits (no
+    cancellation). Bound: 8 ulp(1) of the dtype (the rounding of Σπ², exp and two additions near 1).
+    """
+    gaps = torch.tensor([0.0, 1.0, 5.0, 10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
+    logits = torch.stack([gaps, torch.zeros_like(gaps), -gaps / 2], dim=-1)  # [7, 3]; token 0 sampled
+    log_probs = torch.log_softmax(logits, -1)
+    others = log_probs[:, 1:].exp().square().sum(-1)
+    reference = torch.expm1(log_probs[:, 0]).square() + others  # [7], exact to ~1e-16 relative
+    got = token_energy(log_probs[:, 0].to(dtype), sum_pi_squared(logits.to(dtype))).double()
+    bound = 8 * torch.finfo(dtype).eps
+    assert float((got - reference).abs().max()) <= bound
+    assert float(reference[-1]) < 1e-30  # the regime where that absolute error is all of w
+
+
 def test_token_energy_rejects_shape_mismatch_and_clamps():
     with pytest.raises(ValueError, match="sum_pi_squared"):
         token_energy(torch.zeros(2, 3), torch.zeros(3, 2))
