@@ -557,7 +557,7 @@ class Batch:
     scores: torch.Tensor | None = None  # score: [B] outcome rewards
     rewards: torch.Tensor | None = None  # score: [B, T] the outcome reward on the last response token
     old_log_probs: torch.Tensor | None = None  # logprobs: [B, T] log pi_old(y_t)
-    sum_pi_sq: torch.Tensor | None = None  # logprobs: [B, T] sum_v pi_old(v)^2
+    sum_pi_squared: torch.Tensor | None = None  # logprobs: [B, T] sum_v pi_old(v)^2
     ref_log_probs: torch.Tensor | None = None  # logprobs: [B, T] log pi_ref(y_t) (--kl-coef > 0)
     advantages: torch.Tensor | None = None  # advantages: [B, T]
     proxy: dict[str, float] = field(default_factory=dict)  # advantages: otb_ref.variance_proxy_metrics
@@ -622,12 +622,12 @@ def score(run: Run, batch: Batch) -> None:
 def old_log_probs(run: Run, batch: Batch) -> None:
     """Forward only, micro-batch by micro-batch: log pi_old(y_t) and sum_v pi_old(v)^2 (and log pi_ref(y_t))."""
     shape, device = batch.mask.shape, run.env.device
-    batch.old_log_probs, batch.sum_pi_sq = torch.empty(shape, device=device), torch.empty(shape, device=device)
+    batch.old_log_probs, batch.sum_pi_squared = torch.empty(shape, device=device), torch.empty(shape, device=device)
     batch.ref_log_probs = torch.empty(shape, device=device) if run.reference is not None else None
     with torch.no_grad():
         for rows in run.micro:
             args = (batch.sequences[rows], batch.attention[rows], batch.positions[rows])
-            batch.old_log_probs[rows], batch.sum_pi_sq[rows] = run.policy(*args, targets=batch.response_ids[rows])
+            batch.old_log_probs[rows], batch.sum_pi_squared[rows] = run.policy(*args, targets=batch.response_ids[rows])
             if run.reference is not None:
                 batch.ref_log_probs[rows] = run.reference(*args, targets=batch.response_ids[rows])[0]
 
@@ -652,12 +652,12 @@ def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
         b.mask,
         b.group,
         old_log_probs=b.old_log_probs,
-        sum_pi_squared=b.sum_pi_sq,
+        sum_pi_squared=b.sum_pi_squared,
         leave_one_out=cfg.leave_one_out,
         std_normalize=cfg.std_normalize,
         **energies,
     )
-    b.proxy = variance_proxy_metrics(b.advantages, b.mask, b.old_log_probs, b.sum_pi_sq)
+    b.proxy = variance_proxy_metrics(b.advantages, b.mask, b.old_log_probs, b.sum_pi_squared)
     if cfg.debug_dump:
         Path(cfg.debug_dump).mkdir(parents=True, exist_ok=True)
         dump = {
@@ -770,7 +770,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "truncated": float((~b.finished).sum()),
         "zero_variance_groups": float((group_scores.amax(dim=1) == group_scores.amin(dim=1)).sum()),
         "neg_log_prob": float(torch.where(b.mask, -b.old_log_probs, 0.0).sum()),  # sampled-token entropy estimate
-        "neg_log_sum_pi_sq": float(torch.where(b.mask, -b.sum_pi_sq.log(), 0.0).sum()),  # Renyi-2 entropy
+        "neg_log_sum_pi_squared": float(torch.where(b.mask, -b.sum_pi_squared.log(), 0.0).sum()),  # Renyi-2 entropy
         **{key: b.proxy[f"variance_proxy/{key}"] for key in ("proxy2_total_power", "expected_a_squared", "expected_w")},
     }
     total = parallel.all_reduce_named(local)
@@ -787,7 +787,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "truncated_fraction": total["truncated"] / count,
         "zero_variance_group_fraction": total["zero_variance_groups"] / cfg.prompts_per_step,
         "entropy": total["neg_log_prob"] / generated,
-        "entropy_renyi2": total["neg_log_sum_pi_sq"] / generated,
+        "entropy_renyi2": total["neg_log_sum_pi_squared"] / generated,
         "loss": stats["loss"],
         "grad_norm": grad_norm,
         "lr": stats["lr"],

@@ -255,13 +255,13 @@ def bench_proxy_check(rec: Recorder, quick: bool) -> None:
         if implementation is None:  # fp32 reference with full logits
             logits = (h @ w.T).float() / 0.7
             log_probs = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-            sum_sq = logits.softmax(-1).square().sum(-1)
+            sum_pi_squared = logits.softmax(-1).square().sum(-1)
         else:
-            log_probs, sum_sq = otb_ref.logprobs_and_sum_pi_squared(
+            log_probs, sum_pi_squared = otb_ref.logprobs_and_sum_pi_squared(
                 h, w, targets, temperature=0.7, chunk_size=chunk, implementation=implementation
             )
         (log_probs * upstream).sum().backward()
-        return [t.detach().float() for t in (log_probs, sum_sq, h.grad, w.grad)]
+        return [t.detach().float() for t in (log_probs, sum_pi_squared, h.grad, w.grad)]
 
     def measure():
         reference = run(None, torch.float32)
@@ -311,7 +311,7 @@ def bench_otb(rec: Recorder, quick: bool) -> None:
     repeats = 5 if quick else 50
     device = torch.device("cuda")
     for batch, length, group_size in OTB_SHAPES_QUICK if quick else OTB_SHAPES:
-        rewards, mask, index, log_probs, sum_sq = _otb_inputs(batch, length, group_size, device)
+        rewards, mask, index, log_probs, sum_pi_squared = _otb_inputs(batch, length, group_size, device)
         index_tensor = torch.tensor(index, device=device)
 
         def floor():
@@ -319,7 +319,7 @@ def bench_otb(rec: Recorder, quick: bool) -> None:
 
         def otb(handle_zero_tail: bool = False, ids=index_tensor):
             return otb_ref.compute_optimal_token_baseline_advantage(
-                rewards, mask, ids, log_probs, sum_sq, handle_zero_tail=handle_zero_tail
+                rewards, mask, ids, log_probs, sum_pi_squared, handle_zero_tail=handle_zero_tail
             )
 
         def measure():

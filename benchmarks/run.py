@@ -76,8 +76,8 @@ def naive_logprobs_and_sum_pi_squared(hidden, weight, targets):
     logits = (hidden @ weight.T).float()  # [N, V]
     log_softmax = logits.log_softmax(-1)  # [N, V]
     log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
-    sum_sq = log_softmax.detach().exp().square().sum(-1)
-    return log_probs, sum_sq
+    sum_pi_squared = log_softmax.detach().exp().square().sum(-1)
+    return log_probs, sum_pi_squared
 
 
 def _proxy_inputs(n, d, vocab, dtype, device, requires_grad):
@@ -168,10 +168,10 @@ def bench_proxy(quick: bool, device: torch.device) -> None:
 # ---------------------------------------------------------------------------
 
 
-def per_group_loop_otb(rewards, mask, index, old_log_probs, sum_sq, epsilon=1e-8):
+def per_group_loop_otb(rewards, mask, index, old_log_probs, sum_pi_squared, epsilon=1e-8):
     """OTB written the direct way: one Python iteration (and ~8 small ops) per prompt group."""
     returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)
-    energy = (1 - 2 * old_log_probs.exp() + sum_sq).clamp(0, 2)
+    energy = (1 - 2 * old_log_probs.exp() + sum_pi_squared).clamp(0, 2)
     cumulative = (energy * mask).cumsum(-1)
     baselines = torch.zeros_like(returns)
     groups: dict = {}
@@ -193,10 +193,10 @@ def _otb_inputs(batch, length, group_size, device):
     rewards = torch.zeros(batch, length)
     rewards[torch.arange(batch), lengths - 1] = torch.randint(0, 2, (batch,), generator=g).float()
     probs = torch.rand(batch, length, generator=g).clamp(min=1e-3)
-    sum_sq = (probs.square() + (1 - probs).square() / 4).clamp(max=1.0)  # consistent with π_y = probs
+    sum_pi_squared = (probs.square() + (1 - probs).square() / 4).clamp(max=1.0)  # consistent with π_y = probs
     index = [row // group_size for row in range(batch)]
     to = lambda x: x.to(device)  # noqa: E731
-    return to(rewards), to(mask), index, to(probs.log()), to(sum_sq)
+    return to(rewards), to(mask), index, to(probs.log()), to(sum_pi_squared)
 
 
 def bench_otb(quick: bool, device: torch.device) -> None:
@@ -208,18 +208,18 @@ def bench_otb(quick: bool, device: torch.device) -> None:
     import numpy as np
 
     for batch, length, group_size in OTB_SHAPES_QUICK if quick else OTB_SHAPES:
-        rewards, mask, index, log_probs, sum_sq = _otb_inputs(batch, length, group_size, device)
+        rewards, mask, index, log_probs, sum_pi_squared = _otb_inputs(batch, length, group_size, device)
         index_tensor = torch.tensor(index, device=device)
         cases = {
             "floor_reverse_cumsum": lambda: rewards.flip(-1).cumsum(-1).flip(-1),
             "vectorised": lambda: otb_ref.compute_optimal_token_baseline_advantage(
-                rewards, mask, index_tensor, log_probs, sum_sq, handle_zero_tail=False
+                rewards, mask, index_tensor, log_probs, sum_pi_squared, handle_zero_tail=False
             ),
-            "per_group_loop": lambda: per_group_loop_otb(rewards, mask, index, log_probs, sum_sq),
+            "per_group_loop": lambda: per_group_loop_otb(rewards, mask, index, log_probs, sum_pi_squared),
         }
         if verl_otb is not None:
             index_np = np.array(index)
-            cases["verl"] = lambda: verl_otb(rewards, mask, index_np, log_probs, sum_sq, handle_zero_tail=False)
+            cases["verl"] = lambda: verl_otb(rewards, mask, index_np, log_probs, sum_pi_squared, handle_zero_tail=False)
         seconds = {name: _median_seconds(fn, device, repeats) for name, fn in cases.items()}
         record = {"bench": "otb", "B": batch, "T": length, "N": group_size, "machine": _machine()}
         record.update({f"{name}_seconds": value for name, value in seconds.items()})

@@ -50,29 +50,28 @@ from otb_ref.exact import (  # noqa: E402
     group_moments,
     outcome_rewards,
     population_advantages,
+    population_granularity,
 )
 
 # Population estimators and group estimators: the library's own tables (otb_ref.exact.POPULATION_ESTIMATORS,
 # otb_ref.ESTIMATORS), in their order; two references are computed from the population moments.
 POPULATION = list(POPULATION_ESTIMATORS)
-SEQUENCE_LEVEL = [n for n, (granularity, _) in POPULATION_ESTIMATORS.items() if granularity == "sequence"]
-TOKEN_LEVEL = [
-    n for n, (granularity, energy) in POPULATION_ESTIMATORS.items() if granularity == "token" and energy != "optimal"
-]
+SEQUENCE_LEVEL = [n for n in POPULATION if population_granularity(n) == "sequence"]
+TOKEN_LEVEL = [n for n in POPULATION if population_granularity(n) == "token" and n != "optimal"]
 GROUP = list(ESTIMATORS)
 REFERENCES = ["none", "optimal"]
 ENERGY_WEIGHTED = ["opo", "sequence_proxy", "eob", "otb", "otb_exact"]
+# Group estimators' labels; a population column "grpo" is the cell's baseline E[R] alone (no std scaling).
 LABELS = {
     "none": "no baseline",
-    "mean": "grpo/rloo mean",
     "optimal": "B**",
     "grpo": "grpo (std-scaled mean)",
     "rloo": "rloo (plain mean)",
 }
+POPULATION_LABELS = {**LABELS, "grpo": "grpo/rloo mean"}
 COLORS = {
     "none": "0.55",
     "grpo": "C0",
-    "mean": "C1",
     "rloo": "C1",
     "opo": "C2",
     "sequence_proxy": "C9",
@@ -225,7 +224,13 @@ def measure(grid: Grid) -> tuple[list[dict], list[dict]]:
 
 
 def label(name: str) -> str:
+    """A group estimator's label."""
     return LABELS.get(name, name)
+
+
+def population_label(name: str) -> str:
+    """A population column's label."""
+    return POPULATION_LABELS.get(name, name)
 
 
 def _cell(value: float) -> str:
@@ -272,7 +277,7 @@ def population_tables(population: list[dict]) -> list[str]:
                 for horizon, responses, var in medians(chosen, vocab)
             ]
             lines += [f"#### {lengths} lengths, {policy} policy, {reward} reward", ""]
-            lines += _markdown(["V", "L", "responses"] + [label(n) for n in POPULATION], rows)
+            lines += _markdown(["V", "L", "responses"] + [population_label(n) for n in POPULATION], rows)
     return lines
 
 
@@ -280,7 +285,7 @@ def population_summary(population: list[dict]) -> list[str]:
     """Per (lengths, policy, reward), over every case (seeds × (V, L)): OTB against B**, EOB and no baseline."""
     header = ["lengths", "policy", "reward", "cases", "otb median", "otb max", "otb ≤ 1.05", "otb > eob"]
     header += ["otb_exact > eob", "otb > no baseline", "otb_exact > no baseline", "max abs(otb − otb_exact)"]
-    header += [f"{label(n)} median" for n in ("eob", "token_mean", "mean", "none")]
+    header += [f"{population_label(n)} median" for n in ("eob", "token_mean", "grpo", "none")]
     rows = []
     for lengths in dict.fromkeys(r["lengths"] for r in population):
         for policy, reward in PANELS:
@@ -291,7 +296,7 @@ def population_summary(population: list[dict]) -> list[str]:
                 [lengths, policy, reward, str(len(at)), _cell(statistics.median(otb)), _cell(max(otb))]
                 + [f"{sum(v <= 1.05 for v in otb)}/{len(at)}", _count(at, "otb", "eob"), _count(at, "otb_exact", "eob")]
                 + [_count(at, "otb", "none"), _count(at, "otb_exact", "none"), f"{gap:.1e}"]
-                + [_cell(statistics.median(r["var"][n] for r in at)) for n in ("eob", "token_mean", "mean", "none")]
+                + [_cell(statistics.median(r["var"][n] for r in at)) for n in ("eob", "token_mean", "grpo", "none")]
             )
     return _markdown(header, rows)
 
@@ -304,11 +309,11 @@ def _count(records: list[dict], a: str, b: str) -> str:
 def population_bias_table(population: list[dict]) -> list[str]:
     """One row: each estimator's largest relative bias over every population case."""
     row = ["max over all cases"] + [f"{max(r['bias'][n] for r in population):.1e}" for n in POPULATION]
-    return _markdown(["relative bias"] + [label(n) for n in POPULATION], [row])
+    return _markdown(["relative bias"] + [population_label(n) for n in POPULATION], [row])
 
 
 def per_seed_table(population: list[dict]) -> list[str]:
-    header = ["lengths", "V", "L", "policy", "reward", "seed"] + [label(n) for n in POPULATION]
+    header = ["lengths", "V", "L", "policy", "reward", "seed"] + [population_label(n) for n in POPULATION]
     rows = [
         [r["lengths"], str(r["V"]), str(r["L"]), r["policy"], r["reward"], str(r["seed"])]
         + [_cell(r["var"][n]) for n in POPULATION]
@@ -395,10 +400,12 @@ def reward_findings(population: list[dict]) -> list[str]:
     items = []
     for reward in REWARDS:
         at = [r for r in population if r["reward"] == reward]
-        cells = ", ".join(f"`{label(n)}` {_cell(statistics.median(r['var'][n] for r in at))}" for n in POPULATION[:-1])
+        cells = ", ".join(
+            f"`{population_label(n)}` {_cell(statistics.median(r['var'][n] for r in at))}" for n in POPULATION[:-1]
+        )
         items.append(f"{reward} reward, median Var/Var(B**) over {len(at)} cases: {cells}.")
         worse = {n: sum(_above(r["var"][n], r["var"]["none"]) for r in at) for n in POPULATION[1:-1]}
-        listed = ", ".join(f"`{label(n)}` {k}" for n, k in worse.items() if k)
+        listed = ", ".join(f"`{population_label(n)}` {k}" for n, k in worse.items() if k)
         items.append(f"{reward} reward, cases above no baseline (of {len(at)}): {listed or 'none'}.")
     dense = [r for r in population if r["reward"] == "dense"]
     lowest = min(r["var"][n] for r in dense for n in SEQUENCE_LEVEL)
@@ -465,7 +472,7 @@ def headline(population: list[dict], groups: list[dict]) -> str:
         f"lengths and outcome reward, the setting of E2), and above no baseline in "
         f"{sum(_above(r['var']['otb'], r['var']['none']) for r in population)}/{n} cases. Under dense rewards the "
         f"median ratios are {_cell(dense['otb'])} (otb), {_cell(dense['otb_exact'])} (otb_exact), "
-        f"{_cell(dense['token_mean'])} (token_mean), {_cell(dense['eob'])} (eob), {_cell(dense['mean'])} (grpo/rloo "
+        f"{_cell(dense['token_mean'])} (token_mean), {_cell(dense['eob'])} (eob), {_cell(dense['grpo'])} (grpo/rloo "
         f"mean) and {_cell(dense['none'])} (no baseline). "
     )
     return text + group_headline(groups)
@@ -524,7 +531,8 @@ def plot_horizons(population: list[dict], out_dir: Path) -> list[str]:
                 style = {"ls": "--"} if name == "optimal" else {"marker": "o", "ms": 3}
                 width = 2.0 if name == "otb" else 1.0
                 values = [row[2][name] for row in rows]
-                axis.plot(horizons, values, color=COLORS[name], lw=width, label=label(name), **style)
+                color = COLORS["rloo" if name == "grpo" else name]  # the mean's colour, as rloo's in the group plots
+                axis.plot(horizons, values, color=color, lw=width, label=population_label(name), **style)
             _log_axes(axis, horizons, "Var / Var(B**)", "horizon L", f"{policy} policy, {reward} reward")
         axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
         figure.suptitle(f"{lengths} lengths, V = {vocab}: median over seeds (token_length lies under token_mean)")

@@ -90,7 +90,7 @@ class Sample:
     mask: torch.Tensor  # [B, T] bool
     rewards: torch.Tensor  # [B, T] outcome reward on the last response token
     old_log_probs: torch.Tensor  # [B, T]
-    sum_pi_sq: torch.Tensor  # [B, T]
+    sum_pi_squared: torch.Tensor  # [B, T]
     num_prompt: int
     group_size: int  # N_max
 
@@ -111,8 +111,10 @@ def sample_batch(lm, problems, group_size: int, replicate: int, max_new_tokens: 
     attention = torch.cat([drawn.prompt_mask.bool(), out.response_mask], dim=1)
     with torch.no_grad():
         policy = train.Policy(lm, 1.0, None)
-        log_probs, sum_pi_sq = policy(sequences, attention, position_ids_from_mask(attention), targets=out.response_ids)
-    return Sample(sequences, out.response_mask, rewards, log_probs, sum_pi_sq, prompt_ids.shape[1], group_size)
+        log_probs, sum_pi_squared = policy(
+            sequences, attention, position_ids_from_mask(attention), targets=out.response_ids
+        )
+    return Sample(sequences, out.response_mask, rewards, log_probs, sum_pi_squared, prompt_ids.shape[1], group_size)
 
 
 def _row_log_probs(lm, num_prompt: int, params: dict, row: torch.Tensor) -> torch.Tensor:
@@ -147,7 +149,7 @@ def prefix_energies(jacobians: list, mask: torch.Tensor) -> torch.Tensor:
     return energies * mask
 
 
-def advantages(name: str, rewards, mask, old_log_probs, sum_pi_sq, energies) -> torch.Tensor:
+def advantages(name: str, rewards, mask, old_log_probs, sum_pi_squared, energies) -> torch.Tensor:
     """[N, T] advantages of estimator ``name`` for one group of N responses (prefix energies for the exact ones)."""
     estimator, flags = ESTIMATORS[name]
     if estimator is None:
@@ -156,7 +158,7 @@ def advantages(name: str, rewards, mask, old_log_probs, sum_pi_sq, energies) -> 
     extra = {
         "otb_exact": {"cumulative_energy": energies},
         "eob": {"grad_norms_sq": energies.gather(1, last).squeeze(1)},
-    }.get(estimator, {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_sq})
+    }.get(estimator, {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared})
     index = torch.zeros(len(rewards), dtype=torch.long)
     return compute_advantages(estimator, rewards, mask, index, **extra, **flags)[0]
 
@@ -173,7 +175,7 @@ def batch_gradients(lm, sample: Sample, group_sizes, chunk: int = 4) -> tuple[to
         rows = slice(start, start + n_max)
         mask = sample.mask[rows].float()
         jacobians = token_jacobians(lm, sample.sequences[rows], mask, sample.num_prompt, chunk)
-        group = (sample.rewards[rows], mask, sample.old_log_probs[rows], sample.sum_pi_sq[rows])
+        group = (sample.rewards[rows], mask, sample.old_log_probs[rows], sample.sum_pi_squared[rows])
         group += (prefix_energies(jacobians, mask),)
         coefficients = torch.zeros(len(sizes), len(names), n_max, mask.shape[1])  # [N, E, rows, T], 0 past row N
         for k, n in enumerate(sizes):

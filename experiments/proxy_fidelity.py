@@ -87,10 +87,10 @@ def energies(lm, batch: dict) -> dict[str, np.ndarray]:
     lm64 = copy.deepcopy(lm).double().eval()
     with torch.no_grad():
         positions = position_ids_from_mask(attention)
-        log_probs, sum_pi_sq = train.Policy(lm64, 1.0, None)(
+        log_probs, sum_pi_squared = train.Policy(lm64, 1.0, None)(
             sequences, attention, positions, targets=batch["response_ids"]
         )
-    w = token_energy(log_probs, sum_pi_sq) * mask  # [B, T] float64
+    w = token_energy(log_probs, sum_pi_squared) * mask  # [B, T] float64
     exact = train.exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
     sequence = train.exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
     return {

@@ -1,4 +1,7 @@
-"""Advantage estimators: one family, two axes plus flags (THEORY.md §3, F7).
+"""Advantage estimators, fast: one family, two axes plus flags (THEORY.md §3, F7).
+
+The readable statement of the same numbers is :mod:`otb_ref.spec` (tested equal); the table of estimators is
+:mod:`otb_ref.estimators`.
 
 Every estimator subtracts a weighted group mean of the return:
 
@@ -14,7 +17,7 @@ but ``i`` with ``leave_one_out``), ``G_t = Σ_{k≥t} r_k`` is the return to go,
 (``m_t = 1``) count. The energy axis says what the weights are:
 
     =========  ==========================  ==================================
-    energy     sequence weight ``v``        token weight ``W_t`` (cumulative)
+    energy     sequence weight ``v``        realized energy ``W_t``
     =========  ==========================  ==================================
     uniform    1 per response               1 per alive response
     length     Σ_t m_t (response length)    Σ_{j≤t} m_j
@@ -32,13 +35,14 @@ baseline: its advantage is its return.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from otb_ref import _checks
+from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
+from otb_ref.spec import returns_to_go
 
 __all__ = [
     "ESTIMATORS",
@@ -48,35 +52,9 @@ __all__ = [
     "compute_multi_turn_optimal_token_baseline_advantage",
 ]
 
-GRANULARITIES = ("sequence", "token")
-ENERGIES = ("uniform", "length", "proxy", "exact")
-
 # Slack for Σπ² above 1 and log-probabilities above 0: rounding of an exact 1 or 0.
 _SUM_PI_SQUARED_SLACK = 1e-6
 _LOG_PROB_SLACK = 1e-6
-
-
-@dataclass(frozen=True)
-class Estimator:
-    """One cell of the estimator table (THEORY §3) with its flags."""
-
-    granularity: str
-    energy: str
-    leave_one_out: bool = False
-    std_normalize: bool = False
-
-
-ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator("sequence", "uniform", std_normalize=True),
-    "rloo": Estimator("sequence", "uniform", leave_one_out=True),
-    "opo": Estimator("sequence", "length"),
-    "sequence_proxy": Estimator("sequence", "proxy"),
-    "eob": Estimator("sequence", "exact"),
-    "token_mean": Estimator("token", "uniform"),
-    "token_length": Estimator("token", "length"),
-    "otb": Estimator("token", "proxy"),
-    "otb_exact": Estimator("token", "exact"),
-}
 
 
 class _Inputs(NamedTuple):
@@ -100,7 +78,8 @@ class _Block(NamedTuple):
     rows: slice
     mask: torch.Tensor  # [b, T] 0/1 in the computation dtype (multiplying by it is cheap; bool ops are not)
     rewards: torch.Tensor  # [b, T]
-    energy: torch.Tensor | None  # [b, T] per-token w_t ρ̄_t² (length/proxy), or ||S_t||² (token exact)
+    w: torch.Tensor | None  # [b, T] per-token energy w_t ρ̄_t² (energy length or proxy), else None
+    W: torch.Tensor | None  # [b, T] realized energy ||S_t||² as given (token exact), else None
 
 
 # ---------------------------------------------------------------------------
@@ -310,23 +289,19 @@ def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: to
     return values * mask if clean else torch.where(valid, values, 0.0)
 
 
-def _energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor | None:
-    """Per-token energy ``w_t ρ̄_t²`` (length, proxy) or ``||S_t||²`` (token exact) from the block's values."""
+def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-token energy ``w_t ρ̄_t²`` of the energies ``length`` (w = 1) and ``proxy`` (F6) from the block's values."""
     if spec.energy == "length":
-        energy = mask
-    elif spec.energy == "proxy":
-        energy = token_energy(values["old_log_probs"], values["sum_pi_squared"])  # 1 − 2π + Σπ² (F6)
-    elif "cumulative_energy" in values:
-        energy = values["cumulative_energy"]  # ||S_t||², already cumulative
+        w = mask
     else:
-        return None
+        w = token_energy(values["old_log_probs"], values["sum_pi_squared"])  # 1 − 2π + Σπ² (F6)
     if "rollout_is_weights" in values:
-        energy = energy * values["rollout_is_weights"].square()
-    return energy
+        w = w * values["rollout_is_weights"].square()
+    return w
 
 
 def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
-    """Validate one block of rows, zero it off the mask, compute its per-token energies.
+    """Validate one block of rows, zero it off the mask, compute its per-token energies ``w`` (or read ``W``).
 
     The checks are decided first, with one host read (:func:`_check_block`).
     Inputs in range everywhere are masked by multiplication (exact, and
@@ -340,10 +315,15 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
     values = {name: raw.to(dtype) for name, _, raw in reads}
     is_clean = {name: ok for (name, _, _), ok in zip(reads, clean)}
     rewards = _apply_mask(values.pop("token_level_rewards"), is_clean["token_level_rewards"], mask, valid)
-    energy = _energy(spec, values, mask)
-    if energy is not None and energy is not mask:
-        energy = _apply_mask(energy, all(is_clean[name] for name in values), mask, valid)
-    return _Block(rows, mask, rewards, energy)
+    all_clean = all(is_clean[name] for name in values)
+    w = W = None
+    if spec.energy == "length" and "rollout_is_weights" not in values:
+        w = mask  # w_t = 1 on the mask, already zero off it
+    elif spec.energy in ("length", "proxy"):
+        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid)
+    elif "cumulative_energy" in values:
+        W = _apply_mask(values["cumulative_energy"], all_clean, mask, valid)  # ||S_t||², already realized
+    return _Block(rows, mask, rewards, w, W)
 
 
 def _rows_output(
@@ -361,15 +341,15 @@ def _put(out: torch.Tensor | None, rows: slice, value: torch.Tensor) -> torch.Te
     return out
 
 
-def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``G_t = Σ_{k≥t} x_k`` along the last dim."""
-    return x.flip(-1).cumsum(-1).flip(-1)
-
-
 def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
     """``[b, T]`` int64: k for a response's k-th generated token; ``T`` (a discard column) off the mask."""
     rank = mask.cumsum(dim=-1).long() - 1
     return torch.where(mask != 0, rank, mask.shape[1])
+
+
+def _at_slots(values: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+    """Read ``values [b, T]`` (per slot) back at each token's slot; ``slot=None`` (not multi-turn): unchanged."""
+    return values if slot is None else values.gather(1, slot)
 
 
 def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -384,9 +364,9 @@ def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_tail_start(
-    lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor
+    lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor, T: int
 ) -> torch.Tensor:
-    """``[B]``: the second-longest length of the group for its unique longest response, else ``T``-like infinity.
+    """``[B]``: the second-longest length of the group for its unique longest response, else ``T`` (no tail).
 
     The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``).
     """
@@ -397,7 +377,7 @@ def _zero_tail_start(
     others = torch.where(is_longest, -1, lengths)
     second = others.new_full((num_groups,), -1).scatter_reduce_(0, group, others, "amax")  # [G]
     unique_longest = is_longest & (num_longest[group] == 1) & (counts[group] >= 2)  # [B]
-    return torch.where(unique_longest, second[group], torch.iinfo(torch.int64).max)
+    return torch.where(unique_longest, second[group], T)
 
 
 # ---------------------------------------------------------------------------
@@ -406,7 +386,7 @@ def _zero_tail_start(
 
 
 def _sequence_advantages(
-    spec: Estimator, inputs: _Inputs, epsilon: float, baseline_eps: float
+    spec: Estimator, inputs: _Inputs, epsilon: float, baseline_epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table)."""
     batch_size, length = inputs.rewards.shape
@@ -414,20 +394,20 @@ def _sequence_advantages(
     blocks = _row_blocks(batch_size, length, device)
     mask = _rows_output(blocks, (batch_size, length), dtype, device)
     total_return = torch.zeros(batch_size, dtype=dtype, device=device)  # R [B]
-    weights = torch.ones(batch_size, dtype=dtype, device=device)  # v [B] (uniform)
+    v = torch.ones(batch_size, dtype=dtype, device=device)  # sequence weight v [B] (uniform: 1)
     for rows in blocks:
         block = _read_block(spec, inputs, rows)
         mask = _put(mask, rows, block.mask)
         total_return[rows] = block.rewards.sum(dim=-1)
-        if block.energy is not None:
-            weights[rows] = block.energy.sum(dim=-1)
+        if block.w is not None:
+            v[rows] = block.w.sum(dim=-1)  # v = Σ_t w_t
     if spec.energy == "exact":
-        weights = inputs.grad_norms_sq.to(dtype)
+        v = inputs.grad_norms_sq.to(dtype)  # v = ||S||²
     counted = torch.ones(batch_size, dtype=torch.bool, device=device)
     counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
     in_group = counts[inputs.group] >= 2  # [B]
     baseline = _group_weighted_mean(
-        total_return, weights, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_eps
+        total_return, v, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_epsilon
     )
     advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
     if spec.std_normalize:
@@ -437,7 +417,7 @@ def _sequence_advantages(
 
 
 def _token_advantages(
-    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_eps: float
+    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
 
@@ -451,7 +431,7 @@ def _token_advantages(
     blocks = _row_blocks(batch_size, length, device)
     returns = _rows_output(blocks, (batch_size, length), dtype, device)  # G_t [B, T]
     lengths = _rows_output(blocks, (batch_size,), torch.long, device)  # generated tokens per row
-    own_energy = _rows_output(blocks, (batch_size, length), dtype, device) if spec.leave_one_out else None  # W_t
+    own_W = _rows_output(blocks, (batch_size, length), dtype, device) if spec.leave_one_out else None  # W_t [B, T]
     sum_dtype = _LEAVE_ONE_OUT_DTYPE if spec.leave_one_out else dtype
     numerator = torch.zeros((inputs.num_groups, length), dtype=sum_dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
     denominator = torch.zeros_like(numerator)  # Σ_j W_t^j [G, T]
@@ -460,30 +440,32 @@ def _token_advantages(
         block = _read_block(spec, inputs, rows)
         mask = block.mask
         lengths = _put(lengths, rows, mask.sum(dim=-1).long())
-        returns_to_go = _reverse_cumsum(block.rewards)  # [b, T]
-        returns = _put(returns, rows, returns_to_go)
+        G = returns_to_go(block.rewards, mask)  # [b, T]
+        returns = _put(returns, rows, G)
         if spec.energy == "uniform":
-            energy = mask  # W_t = 1 while alive
+            W = mask  # W_t = 1 while alive
         elif spec.energy == "exact":
-            energy = block.energy  # ||S_t||², checked and zero off the mask
+            W = block.W  # ||S_t||², checked and zero off the mask
         else:
-            energy = block.energy.cumsum(dim=-1).mul_(mask)  # realized energy W_t, zero where not alive
+            W = block.w.cumsum(dim=-1).mul_(mask)  # realized energy W_t = Σ_{j≤t} w_j, zero where not alive
         if spec.leave_one_out:
-            own_energy = _put(own_energy, rows, energy)
+            own_W = _put(own_W, rows, W)
         if multi_turn:  # compare k-th generated tokens, not absolute positions
             slot = _generated_token_rank(mask)
-            energy, returns_to_go = _to_slots(energy, slot), _to_slots(returns_to_go, slot)
+            W, G = _to_slots(W, slot), _to_slots(G, slot)
         # In sum_dtype before multiplying: pass 2 subtracts exactly this product for leave-one-out.
-        energy, returns_to_go = energy.to(sum_dtype), returns_to_go.to(sum_dtype)
-        numerator.index_add_(0, group[rows], energy * returns_to_go)
-        denominator.index_add_(0, group[rows], energy)
+        W, G = W.to(sum_dtype), G.to(sum_dtype)
+        numerator.index_add_(0, group[rows], W * G)
+        denominator.index_add_(0, group[rows], W)
 
     counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
     counts = _segment_sum(counted.long(), group, inputs.num_groups)  # [G]
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway).
     group_has_baseline = (counts >= 2).to(dtype)  # [G]
-    tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts) if handle_zero_tail else None
+    tail_start = None
+    if handle_zero_tail:
+        tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts, length)
     scale = None
     if spec.std_normalize:
         std = _group_std(returns[:, 0] if length else lengths.to(dtype), counted, group, inputs.num_groups, counts)
@@ -492,21 +474,20 @@ def _token_advantages(
         )  # [B]; 0 if std = ε = 0
     group_baseline = None
     if not spec.leave_one_out:
-        group_baseline = _safe_ratio(numerator, denominator + baseline_eps) * group_has_baseline[:, None]  # [G, T]
+        group_baseline = _safe_ratio(numerator, denominator + baseline_epsilon) * group_has_baseline[:, None]  # [G, T]
     positions = torch.arange(length, device=device)
     advantages = _rows_output(blocks, (batch_size, length), dtype, device)
 
     for rows in blocks:  # pass 2
         mask = inputs.mask[rows].to(dtype)
         slot = _generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
-        at_slot = (lambda x: x.gather(1, slot)) if multi_turn else (lambda x: x)  # noqa: E731
         if spec.leave_one_out:
-            own = own_energy[rows].to(sum_dtype)
-            num = at_slot(numerator[group[rows]]) - own * returns[rows].to(sum_dtype)
-            baseline = _safe_ratio(num, at_slot(denominator[group[rows]]) - own + baseline_eps).to(dtype)
+            own = own_W[rows].to(sum_dtype)
+            num = _at_slots(numerator[group[rows]], slot) - own * returns[rows].to(sum_dtype)
+            baseline = _safe_ratio(num, _at_slots(denominator[group[rows]], slot) - own + baseline_epsilon).to(dtype)
             baseline = baseline * group_has_baseline[group[rows], None]
         else:
-            baseline = at_slot(group_baseline[group[rows]])  # [b, T]
+            baseline = _at_slots(group_baseline[group[rows]], slot)  # [b, T]
         if tail_start is not None:
             token_position = slot if multi_turn else positions[None, :]
             baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)
@@ -520,24 +501,6 @@ def _token_advantages(
 # ---------------------------------------------------------------------------
 # Validation of everything that is not a value (values are checked per block).
 # ---------------------------------------------------------------------------
-
-
-def _resolve_estimator(estimator: str | Estimator, leave_one_out: bool | None, std_normalize: bool | None) -> Estimator:
-    if isinstance(estimator, Estimator):
-        spec = estimator
-        if spec.granularity not in GRANULARITIES:
-            raise ValueError(f"estimator: granularity must be one of {GRANULARITIES}, got {spec.granularity!r}")
-        if spec.energy not in ENERGIES:
-            raise ValueError(f"estimator: energy must be one of {ENERGIES}, got {spec.energy!r}")
-    elif isinstance(estimator, str) and estimator in ESTIMATORS:
-        spec = ESTIMATORS[estimator]
-    else:
-        raise ValueError(f"estimator: unknown estimator {estimator!r}; choose one of {sorted(ESTIMATORS)}")
-    if leave_one_out is not None:
-        spec = replace(spec, leave_one_out=bool(leave_one_out))
-    if std_normalize is not None:
-        spec = replace(spec, std_normalize=bool(std_normalize))
-    return spec
 
 
 _REQUIRED = {
@@ -700,7 +663,7 @@ def compute_advantages(
             outside (0, 1], ``index`` of the wrong length, flags that do not
             apply.
     """
-    spec = _resolve_estimator(estimator, leave_one_out, std_normalize)
+    spec = resolve_estimator(estimator, leave_one_out, std_normalize)
     named = {
         "old_log_probs": old_log_probs,
         "sum_pi_squared": sum_pi_squared,
@@ -709,13 +672,13 @@ def compute_advantages(
         "rollout_is_weights": rollout_is_weights,
     }
     inputs = _validate(spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail)
-    eps = _checks.nonnegative_scalar("epsilon", epsilon)
+    epsilon = _checks.nonnegative_scalar("epsilon", epsilon)
     # Counts need no guard: only sums of energies can be tiny but positive.
-    baseline_eps = eps if spec.energy in ("proxy", "exact") else 0.0
+    baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     with torch.no_grad():
         if spec.granularity == "sequence":
-            return _sequence_advantages(spec, inputs, eps, baseline_eps)
-        return _token_advantages(spec, inputs, multi_turn, handle_zero_tail, eps, baseline_eps)
+            return _sequence_advantages(spec, inputs, epsilon, baseline_epsilon)
+        return _token_advantages(spec, inputs, multi_turn, handle_zero_tail, epsilon, baseline_epsilon)
 
 
 def compute_optimal_token_baseline_advantage(

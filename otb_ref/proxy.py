@@ -48,8 +48,8 @@ def _logsumexp_and_sum_pi_squared_(z: torch.Tensor) -> tuple[torch.Tensor, torch
     s1 = e.sum(dim=-1)  # [...] >= 1
     s2 = e.square_().sum(dim=-1)  # [...] in [1, s1]
     logsumexp = z_max.squeeze(-1) + torch.log(s1)
-    sum_sq = (s2 / s1.square()).clamp_(max=1.0)
-    return logsumexp, sum_sq
+    sum_pi_squared = (s2 / s1.square()).clamp_(max=1.0)
+    return logsumexp, sum_pi_squared
 
 
 def _raise_if_nan(name: str, result: torch.Tensor) -> None:
@@ -139,22 +139,22 @@ class _ChunkedLogProbs(torch.autograd.Function):
         num_rows = hidden.shape[0]
         log_probs = torch.empty(num_rows, dtype=dtype, device=hidden.device)
         logsumexp = torch.empty_like(log_probs)
-        sum_sq = torch.empty_like(log_probs)
+        sum_pi_squared = torch.empty_like(log_probs)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             z = _chunk_logits(hidden[rows], weight, inv_tau, dtype)  # [c, V]
             target_logit = z.gather(1, targets[rows, None]).squeeze(1)  # [c]
-            logsumexp[rows], sum_sq[rows] = _logsumexp_and_sum_pi_squared_(z)
+            logsumexp[rows], sum_pi_squared[rows] = _logsumexp_and_sum_pi_squared_(z)
             log_probs[rows] = target_logit - logsumexp[rows]
         ctx.save_for_backward(hidden, weight, targets, logsumexp)
         ctx.inv_tau = inv_tau
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(sum_sq)
-        return log_probs, sum_sq
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, sum_pi_squared
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_log_probs, _grad_sum_sq):
+    def backward(ctx, grad_log_probs, _grad_sum_pi_squared):
         hidden, weight, targets, logsumexp = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = logsumexp.dtype
@@ -223,9 +223,9 @@ def fused_chunk_statistics(
     s1 = e.sum(dim=-1)  # [c] >= 1
     s2 = (e * e).sum(dim=-1)  # [c] in [1, s1]
     logsumexp = z_max.squeeze(-1) + torch.log(s1)
-    sum_sq = (s2 / s1.square()).clamp(max=1.0)
+    sum_pi_squared = (s2 / s1.square()).clamp(max=1.0)
     log_prob = z.gather(1, targets[:, None]).squeeze(1) - logsumexp
-    return log_prob, logsumexp, sum_sq
+    return log_prob, logsumexp, sum_pi_squared
 
 
 def fused_logits_grad_(
@@ -301,22 +301,22 @@ class _FusedChunkedLogProbs(torch.autograd.Function):
         num_rows = hidden.shape[0]
         log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(log_probs)
-        sum_sq = torch.empty_like(log_probs)
+        sum_pi_squared = torch.empty_like(log_probs)
         logits = None
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = None  # free the previous chunk before the next matmul
             logits = hidden[rows] @ weight.T  # [c, V] in the input dtype
-            log_probs[rows], logsumexp[rows], sum_sq[rows] = kernels.statistics(logits, targets[rows], inv_tau)
+            log_probs[rows], logsumexp[rows], sum_pi_squared[rows] = kernels.statistics(logits, targets[rows], inv_tau)
         ctx.save_for_backward(hidden, weight, targets, logsumexp)
         ctx.inv_tau, ctx.chunk_size = inv_tau, chunk_size
         ctx.last_logits = logits if keep_last else None  # read once by backward, then dropped
-        ctx.mark_non_differentiable(sum_sq)
-        return log_probs, sum_sq
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, sum_pi_squared
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_log_probs, _grad_sum_sq):
+    def backward(ctx, grad_log_probs, _grad_sum_pi_squared):
         hidden, weight, targets, logsumexp = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         kernels = _fused_kernels(hidden.device)
@@ -443,10 +443,10 @@ def logprobs_and_sum_pi_squared(
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     if fused:
         keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        log_probs, sum_sq = _FusedChunkedLogProbs.apply(
+        log_probs, sum_pi_squared = _FusedChunkedLogProbs.apply(
             flat_hidden, weight, flat_targets, inv_tau, chunk_size, keep_last
         )
     else:
-        log_probs, sum_sq = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
-    _raise_if_nan("hidden, weight", sum_sq)
-    return log_probs.reshape(targets.shape), sum_sq.reshape(targets.shape)
+        log_probs, sum_pi_squared = _ChunkedLogProbs.apply(flat_hidden, weight, flat_targets, inv_tau, chunk_size)
+    _raise_if_nan("hidden, weight", sum_pi_squared)
+    return log_probs.reshape(targets.shape), sum_pi_squared.reshape(targets.shape)

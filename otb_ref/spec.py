@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from otb_ref.advantages import ESTIMATORS, Estimator
+from otb_ref.estimators import Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
 
 __all__ = [
@@ -106,10 +106,9 @@ def _group_size(group, counted) -> torch.Tensor:
     return torch.zeros(num_groups, dtype=counted.dtype).index_add_(0, group, counted)[group]
 
 
-def _zero_tail_from(lengths, group, counted) -> torch.Tensor:
-    """Second-longest length of the group for the unique longest row of each group; ``T``-like infinity else."""
-    big = torch.full_like(lengths, torch.iinfo(lengths.dtype).max)
-    start = big.clone()
+def _zero_tail_from(lengths, group, counted, T: int) -> torch.Tensor:
+    """Second-longest length of the group for the unique longest row of each group; ``T`` (no tail) else."""
+    start = torch.full_like(lengths, T)
     for g in group.unique():
         rows = ((group == g) & counted.bool()).nonzero().flatten()
         if rows.numel() < 2:
@@ -144,14 +143,12 @@ def advantages(
     epsilon=1e-8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages`` (fp64)."""
-    spec = ESTIMATORS[estimator] if isinstance(estimator, str) else estimator
-    loo = spec.leave_one_out if leave_one_out is None else leave_one_out
-    std = spec.std_normalize if std_normalize is None else std_normalize
+    spec = resolve_estimator(estimator, leave_one_out, std_normalize)  # the table's cell, flags overridden
     rewards, mask = rewards.double(), (mask != 0).double()
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
     group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long)  # [B] in [0, G)
-    eps = epsilon if spec.energy in ("proxy", "exact") else 0.0
+    baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     lengths = mask.sum(dim=-1).long()  # [B]
     counted = (lengths > 0).double() if multi_turn else torch.ones_like(rewards[:, 0])
     v, W = energies(
@@ -165,18 +162,19 @@ def advantages(
     G = returns_to_go(rewards, mask)  # [B, T]
     R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
     if spec.granularity == "sequence":
-        adv, ret = sequence_advantages(R, v, mask, group, counted, loo, eps), R[:, None] * mask
+        adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)
+        ret = R[:, None] * mask
     else:
-        tail = _zero_tail_from(lengths, group, counted) if handle_zero_tail else None
+        tail = _zero_tail_from(lengths, group, counted, mask.shape[1]) if handle_zero_tail else None
         if multi_turn:  # align by generated-token rank: slot k holds each row's k-th token
             slot = _rank_slots(mask)  # [B, T]
             aligned = [torch.zeros_like(x).scatter_(1, slot.clamp(max=x.shape[1] - 1), x * mask) for x in (G, W, mask)]
-            adv_slots = token_advantages(*aligned, group, counted, loo, eps, tail)  # [B, T] in slots
+            adv_slots = token_advantages(*aligned, group, counted, spec.leave_one_out, baseline_epsilon, tail)
             adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
         else:
-            adv = token_advantages(G, W, mask, group, counted, loo, eps, tail)
+            adv = token_advantages(G, W, mask, group, counted, spec.leave_one_out, baseline_epsilon, tail)
         ret = G
-    return (std_scaled(adv, R, group, counted, epsilon) if std else adv), ret
+    return (std_scaled(adv, R, group, counted, epsilon) if spec.std_normalize else adv), ret
 
 
 def std_scaled(adv, R, group, counted, epsilon: float) -> torch.Tensor:
@@ -184,7 +182,7 @@ def std_scaled(adv, R, group, counted, epsilon: float) -> torch.Tensor:
     not counted) unchanged; 0 where ``std + ε = 0``. adv: [B, T]; R, group, counted: [B]."""
     n = _group_size(group, counted)  # [B]
     mean = group_mean(counted, R, group, False, 0.0)  # [B]
-    sum_sq = group_mean(counted, (R - mean).square(), group, False, 0.0) * n  # Σ_j (R_j − mean)²
-    sd = (sum_sq / (n - 1).clamp(min=1)).sqrt() + epsilon
+    squared_deviations = group_mean(counted, (R - mean).square(), group, False, 0.0) * n  # Σ_j (R_j − mean)²
+    sd = (squared_deviations / (n - 1).clamp(min=1)).sqrt() + epsilon
     scaled = torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 0.0)  # 1/(std + ε), or 0
     return torch.where(((n >= 2) & (counted > 0))[:, None], adv * scaled[:, None], adv)

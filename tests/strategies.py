@@ -85,7 +85,7 @@ def rollout_batches(
             valid = np.flatnonzero(mask[i])
             if valid.size:
                 rewards[i, valid[-1]] = outcome[i]
-    log_probs, sum_sq = _consistent_probabilities(rng, mask.shape, int(rng.integers(2, 6)), uniform_mix)
+    log_probs, sum_pi_squared = _consistent_probabilities(rng, mask.shape, int(rng.integers(2, 6)), uniform_mix)
     use_strings = draw(st.booleans()) if string_ids is None else string_ids
     labels = rng.permutation(num_groups * 7)[:num_groups]
     index = [
@@ -98,7 +98,7 @@ def rollout_batches(
         mask=t(mask),
         index=[index[i] for i in order],
         old_log_probs=t(log_probs),
-        sum_pi_squared=t(sum_sq),
+        sum_pi_squared=t(sum_pi_squared),
         rollout_is_weights=t(rng.uniform(0.0, 2.0, size=mask.shape)),
         grad_norms_sq=t(rng.exponential(size=batch) * (rng.random(batch) > 0.1)),
         cumulative_energy=t(rng.exponential(size=mask.shape)),

@@ -209,14 +209,19 @@ def test_dtypes_fp32_computation_and_fp64_preserved():
     """bf16/fp32 inputs compute in fp32; fp64 stays fp64; integer rewards are accepted."""
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
-    lp, sps = torch.full((3, 2), -0.5), torch.full((3, 2), 0.5)
+    lp, sum_pi_squared = torch.full((3, 2), -0.5), torch.full((3, 2), 0.5)
     for dtype, want in [
         (torch.bfloat16, torch.float32),
         (torch.float32, torch.float32),
         (torch.float64, torch.float64),
     ]:
         adv, ret = compute_advantages(
-            "otb", rewards.to(dtype), mask, [0, 0, 0], old_log_probs=lp.to(dtype), sum_pi_squared=sps.to(dtype)
+            "otb",
+            rewards.to(dtype),
+            mask,
+            [0, 0, 0],
+            old_log_probs=lp.to(dtype),
+            sum_pi_squared=sum_pi_squared.to(dtype),
         )
         assert adv.dtype == want and ret.dtype == want
     adv, _ = compute_advantages("grpo", rewards.long(), mask.bool(), [0, 0, 1])

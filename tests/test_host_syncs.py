@@ -57,16 +57,16 @@ def _batch(garbage_off_mask: bool = False):
     mask = (torch.arange(12)[None, :] < torch.randint(1, 13, (8,), generator=g)[:, None]).float()
     rewards = torch.randn(8, 12, generator=g)
     log_probs = -torch.rand(8, 12, generator=g) - 0.01
-    sum_sq = torch.rand(8, 12, generator=g) * 0.5 + 0.25
+    sum_pi_squared = torch.rand(8, 12, generator=g) * 0.5 + 0.25
     if garbage_off_mask:
         log_probs = log_probs.masked_fill(mask == 0, float("nan"))
-    return rewards, mask, log_probs, sum_sq
+    return rewards, mask, log_probs, sum_pi_squared
 
 
 @pytest.mark.parametrize("estimator", ["otb", "grpo", "token_length", "sequence_proxy"])
 def test_value_checks_take_one_host_read(monkeypatch, estimator):
     """Clean inputs: one read for every value check; a tensor index adds one (``unique``'s output size)."""
-    rewards, mask, log_probs, sum_sq = _batch()
+    rewards, mask, log_probs, sum_pi_squared = _batch()
     index = torch.arange(8) // 4
     run = lambda ids: compute_advantages(  # noqa: E731
         estimator,
@@ -74,7 +74,7 @@ def test_value_checks_take_one_host_read(monkeypatch, estimator):
         mask,
         ids,
         old_log_probs=log_probs,
-        sum_pi_squared=sum_sq,
+        sum_pi_squared=sum_pi_squared,
         rollout_is_weights=torch.ones(8, 12) if estimator == "token_length" else None,
     )
     as_list = index.tolist()
@@ -95,20 +95,24 @@ def test_exact_energies_take_one_more_read_for_grad_norms(monkeypatch):
 
 def test_garbage_off_the_mask_takes_a_second_read(monkeypatch):
     """NaN where the mask is 0 is legal; locating it costs one more read (still no per-value syncs)."""
-    rewards, mask, log_probs, sum_sq = _batch(garbage_off_mask=True)
+    rewards, mask, log_probs, sum_pi_squared = _batch(garbage_off_mask=True)
     ops = _count(
         monkeypatch,
-        lambda: compute_advantages("otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq),
+        lambda: compute_advantages(
+            "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
+        ),
     )
     assert ops == {"tolist": 2}
 
 
 def test_row_blocks_read_once_per_block(monkeypatch):
     """The CPU path reads per row block (data in cache); accelerators have one block."""
-    rewards, mask, log_probs, sum_sq = _batch()
+    rewards, mask, log_probs, sum_pi_squared = _batch()
     monkeypatch.setattr(otb_ref.advantages, "_CPU_BLOCK_ELEMENTS", 12 * 2)  # 2 rows per block: 4 blocks
     ops = _count(
         monkeypatch,
-        lambda: compute_advantages("otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_sq),
+        lambda: compute_advantages(
+            "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
+        ),
     )
     assert ops == {"tolist": 4}

@@ -99,9 +99,9 @@ def test_lm_head_identity(rows, d, vocab, seed):
         h = torch.randn(d, dtype=torch.float64, generator=g)
         y = int(torch.randint(vocab, (1,), generator=g))
         weight = U.clone().requires_grad_(True)
-        log_probs, sps = logprobs_and_sum_pi_squared(h[None], weight, torch.tensor([y]))
+        log_probs, sum_pi_sq = logprobs_and_sum_pi_squared(h[None], weight, torch.tensor([y]))
         (grad,) = torch.autograd.grad(log_probs.sum(), weight)
-        predicted = token_energy(log_probs.detach(), sps)[0] * h.square().sum()
+        predicted = token_energy(log_probs.detach(), sum_pi_sq)[0] * h.square().sum()
         torch.testing.assert_close(grad.square().sum(), predicted, **EXACT)
 
 
@@ -121,13 +121,13 @@ def test_chunked_equals_naive_values_and_gradients_fp64(n, d, vocab, chunk_size,
     targets = torch.randint(vocab, (n,), generator=g)
     upstream = torch.randn(n, dtype=torch.float64, generator=g)
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp, sps = logprobs_and_sum_pi_squared(h1, w1, targets, temperature=temperature, chunk_size=chunk_size)
+    lp, sum_pi_sq = logprobs_and_sum_pi_squared(h1, w1, targets, temperature=temperature, chunk_size=chunk_size)
     (lp * upstream).sum().backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp_ref, sps_ref = _naive(h2, w2, targets, temperature)
     (lp_ref * upstream).sum().backward()
     torch.testing.assert_close(lp, lp_ref, **EXACT)
-    torch.testing.assert_close(sps, sps_ref, **EXACT)
+    torch.testing.assert_close(sum_pi_sq, sps_ref, **EXACT)
     torch.testing.assert_close(h1.grad, h2.grad, **EXACT)
     torch.testing.assert_close(w1.grad, w2.grad, **EXACT)
 
@@ -140,14 +140,14 @@ def test_chunked_equals_naive_low_precision(dtype, tol):
     weight = (torch.randn(300, 16, generator=g) / 4).to(dtype)
     targets = torch.randint(300, (4, 25), generator=g)
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp, sps = logprobs_and_sum_pi_squared(h1, w1, targets, chunk_size=7)
+    lp, sum_pi_sq = logprobs_and_sum_pi_squared(h1, w1, targets, chunk_size=7)
     lp.sum().backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp_ref, sps_ref = _naive(h2, w2, targets)
     lp_ref.sum().backward()
     assert lp.dtype == torch.float32 and lp.shape == targets.shape
     torch.testing.assert_close(lp, lp_ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(sps, sps_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(sum_pi_sq, sps_ref, rtol=tol, atol=tol)
     assert h1.grad.dtype == dtype and w1.grad.dtype == dtype
     torch.testing.assert_close(h1.grad.float(), h2.grad.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(w1.grad.float(), w2.grad.float(), rtol=tol, atol=tol)
@@ -159,11 +159,11 @@ def test_chunked_saves_no_logits_for_backward():
     weight = torch.randn(1000, 8, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        lp, sps = logprobs_and_sum_pi_squared(hidden, weight, torch.randint(1000, (64,)), chunk_size=16)
+        lp, sum_pi_sq = logprobs_and_sum_pi_squared(hidden, weight, torch.randint(1000, (64,)), chunk_size=16)
     assert saved, "the hook saw the saved tensors"
     assert max(t.numel() for t in saved) == weight.numel()
     assert sum(t.numel() for t in saved) <= weight.numel() + hidden.numel() + 2 * 64
-    assert not sps.requires_grad
+    assert not sum_pi_sq.requires_grad
 
 
 def test_chunked_only_one_input_needs_grad():

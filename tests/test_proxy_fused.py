@@ -16,9 +16,9 @@ def _run(hidden, weight, targets, upstream, implementation, needs=(True, True), 
     """``(log_probs, Σπ², ∂hidden, ∂weight)`` of ``Σ upstream · log_probs``."""
     h = hidden.clone().requires_grad_(needs[0])
     w = weight.clone().requires_grad_(needs[1])
-    log_probs, sum_sq = logprobs_and_sum_pi_squared(h, w, targets, implementation=implementation, **kwargs)
+    log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(h, w, targets, implementation=implementation, **kwargs)
     (log_probs * upstream.to(log_probs.dtype)).sum().backward()
-    return log_probs, sum_sq, h.grad, w.grad
+    return log_probs, sum_pi_squared, h.grad, w.grad
 
 
 def _inputs(n, d, vocab, seed, dtype=torch.float32):
@@ -148,8 +148,8 @@ def test_fused_empty_input():
     hidden = torch.zeros(0, 4, requires_grad=True)
     weight = torch.randn(6, 4, requires_grad=True)
     targets = torch.zeros(0, dtype=torch.long)
-    log_probs, sum_sq = logprobs_and_sum_pi_squared(hidden, weight, targets, implementation="fused")
-    assert log_probs.shape == sum_sq.shape == (0,)
+    log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(hidden, weight, targets, implementation="fused")
+    assert log_probs.shape == sum_pi_squared.shape == (0,)
     log_probs.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 

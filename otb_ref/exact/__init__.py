@@ -22,6 +22,7 @@ from otb_ref.exact.moments import (
     outcome_rewards,
     population_advantages,
     population_baseline,
+    population_granularity,
     returns_to_go,
 )
 from otb_ref.exact.policies import Enumeration, SharedPolicy, TreePolicy, enumerate_policy, enumerate_responses
@@ -40,6 +41,7 @@ __all__ = [
     "outcome_rewards",
     "population_advantages",
     "population_baseline",
+    "population_granularity",
     "prefix_grad_norms_sq",
     "returns_to_go",
     "sequence_grad_norms_sq",

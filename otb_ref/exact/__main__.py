@@ -320,7 +320,8 @@ def render(args: argparse.Namespace) -> str:
     records, skipped = group_results(args.vocab, args.group_horizons, args.seed, args.group_sizes, args.max_groups)
     parts = [
         f"# Exact variance table (vocab {args.vocab} with EOS, outcome reward: odd count of token 1, seed {args.seed})",
-        "## Population baselines: Var / Var(B**)  (1 = the F4 optimum; `none` is plain REINFORCE)",
+        "## Population baselines: Var / Var(B**)  (1 = the F4 optimum; `none` is plain REINFORCE; `grpo` is the "
+        "mean E[R] that grpo and rloo estimate, without std scaling)",
         _population_markdown(population),
         "## Finite groups (compute_advantages): relative bias ||E ĝ − ∇J|| / ||∇J|| and N·Var(ĝ) / Var(B**)",
         _group_markdown(records, skipped),

@@ -12,8 +12,8 @@ Population baselines are constants (one per position, or one per sequence):
     token      a_t = m_t (G_t − B_t),   B_t = E[m_t W_t G_t] / E[m_t W_t]
     sequence   a_t = m_t (R − b),       b   = E[v R] / E[v]
 
-with the energies of THEORY §3, and the variance-optimal ``B**`` of F4:
-``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]``.
+with the energies of THEORY §3 (``v`` and ``W_t`` from :func:`otb_ref.spec.energies`, the same code as the
+group estimators), and the variance-optimal ``B**`` of F4: ``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from otb_ref.estimators import Estimator, population_cells
 from otb_ref.exact.policies import Enumeration
-from otb_ref.spec import returns_to_go  # G_t = Σ_{k≥t} m_k r_k, re-exported
+from otb_ref.spec import energies, returns_to_go  # G_t = Σ_{k≥t} m_k r_k, re-exported
 
 __all__ = [
     "Moments",
@@ -34,6 +35,7 @@ __all__ = [
     "population_baseline",
     "population_advantages",
     "optimal_token_baseline",
+    "population_granularity",
 ]
 
 
@@ -80,19 +82,9 @@ def _population_mean(values: torch.Tensor, weights: torch.Tensor, probs: torch.T
     return torch.where(denominator > 0, numerator / torch.where(denominator > 0, denominator, 1.0), 0.0)
 
 
-# name -> (granularity, energy): THEORY §3 at population level.
-POPULATION_ESTIMATORS: dict[str, tuple[str, str]] = {
-    "none": ("none", "none"),
-    "mean": ("sequence", "uniform"),
-    "opo": ("sequence", "length"),
-    "sequence_proxy": ("sequence", "proxy"),
-    "eob": ("sequence", "exact"),
-    "token_mean": ("token", "uniform"),
-    "token_length": ("token", "length"),
-    "otb": ("token", "proxy"),
-    "otb_exact": ("token", "exact"),
-    "optimal": ("token", "optimal"),
-}
+# The population table: no baseline (plain REINFORCE), each cell of the estimator table (otb_ref.estimators;
+# "grpo" is the uniform sequence cell, the mean E[R] that grpo and rloo estimate), and F4's optimum B**.
+POPULATION_ESTIMATORS: dict[str, Estimator | None] = {"none": None, **population_cells(), "optimal": None}
 
 
 def optimal_token_baseline(enum: Enumeration, rewards: torch.Tensor) -> torch.Tensor:
@@ -108,36 +100,35 @@ def optimal_token_baseline(enum: Enumeration, rewards: torch.Tensor) -> torch.Te
 
 def population_baseline(enum: Enumeration, rewards: torch.Tensor, name: str) -> torch.Tensor:
     """The population baseline of ``name``: ``[L]`` for token estimators, a 0-d tensor for sequence ones."""
-    granularity, energy = POPULATION_ESTIMATORS[name]
-    mask = enum.mask
-    target = returns_to_go(rewards, mask)  # G_t [M, L]
-    if granularity == "none":
-        return torch.zeros((), dtype=mask.dtype)
-    if granularity == "sequence":
-        total = target[:, 0]  # R [M]
-        weight = {
-            "uniform": torch.ones_like(total),
-            "length": mask.sum(-1),
-            "proxy": enum.energy.sum(-1),
-            "exact": enum.sequence_energy_exact,
-        }[energy]
-        return _population_mean(total, weight, enum.probs)
-    if energy == "optimal":
+    if name == "none":
+        return torch.zeros((), dtype=enum.mask.dtype)
+    if name == "optimal":
         return optimal_token_baseline(enum, rewards)
-    weight = {
-        "uniform": mask,
-        "length": mask.cumsum(-1) * mask,
-        "proxy": enum.prefix_energy_proxy,
-        "exact": enum.prefix_energy_exact,
-    }[energy]
-    return _population_mean(target, weight * mask, enum.probs)
+    spec = POPULATION_ESTIMATORS[name]
+    v, W = energies(  # sequence weight [M], realized energy [M, L]
+        spec,
+        enum.mask,
+        old_log_probs=enum.log_probs,
+        sum_pi_squared=enum.sum_pi_squared,
+        grad_norms_sq=enum.sequence_energy_exact,
+        cumulative_energy=enum.prefix_energy_exact,
+    )
+    G = returns_to_go(rewards, enum.mask)  # [M, L]
+    if spec.granularity == "sequence":
+        return _population_mean(G[:, 0], v, enum.probs)  # b = E[v R] / E[v]
+    return _population_mean(G, W * enum.mask, enum.probs)  # B_t = E[m_t W_t G_t] / E[m_t W_t]
 
 
 def population_advantages(enum: Enumeration, rewards: torch.Tensor, name: str) -> torch.Tensor:
     """``[M, L]`` advantages of the population estimator ``name``: ``m_t (G_t − B_t)`` or ``m_t (R − b)``."""
-    granularity, _ = POPULATION_ESTIMATORS[name]
     target = returns_to_go(rewards, enum.mask)
     baseline = population_baseline(enum, rewards, name)
-    if granularity == "sequence":
+    if population_granularity(name) == "sequence":
         return (target[:, :1] - baseline) * enum.mask
     return (target - baseline) * enum.mask
+
+
+def population_granularity(name: str) -> str:
+    """``"sequence"`` or ``"token"`` (``"none"`` has no baseline; ``"optimal"`` is per token)."""
+    spec = POPULATION_ESTIMATORS[name]
+    return spec.granularity if spec is not None else ("none" if name == "none" else "token")

@@ -200,8 +200,8 @@ def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None
         log_softmax = torch.log_softmax(logits, dim=-1)
         log_probs = log_softmax.gather(-1, tokens[..., None]).squeeze(-1) * mask  # [M, L]
         probs = torch.exp(log_probs.sum(-1))  # [M]
-        sum_sq = torch.where(mask > 0, log_softmax.exp().square().sum(-1), 1.0)  # [M, L]
-        energy = token_energy(log_probs, sum_sq) * mask
+        sum_pi_squared = torch.where(mask > 0, log_softmax.exp().square().sum(-1), 1.0)  # [M, L]
+        energy = token_energy(log_probs, sum_pi_squared) * mask
 
     num_rows, length = tokens.shape
     num_params = theta.numel()
@@ -223,7 +223,7 @@ def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None
         mask=mask,
         probs=probs,
         log_probs=log_probs,
-        sum_pi_squared=sum_sq,
+        sum_pi_squared=sum_pi_squared,
         energy=energy,
         gram=gram,
         scores=torch.cat(kept) if keep_scores else None,

@@ -83,10 +83,10 @@ def test_f4_orderings(case):
     for name in ["none", "token_mean", "token_length", "otb", "otb_exact"]:
         assert variance["optimal"] <= variance[name] + slack, name
     variance["sequence_none"] = _variance(case, _sequence_advantages(case, 0.0))  # S R: b = 0 in F3's family
-    for name in ["sequence_none", "mean", "opo", "sequence_proxy"]:  # F3: EOB is optimal among constants for S (R − b)
+    for name in ["sequence_none", "grpo", "opo", "sequence_proxy"]:  # F3: EOB is optimal among constants for S (R − b)
         assert variance["eob"] <= variance[name] + slack, name
     if case.outcome:  # then S (R − b) is the token estimator with B = (b, ..., b)
-        for name in ["mean", "opo", "sequence_proxy", "eob"]:
+        for name in ["grpo", "opo", "sequence_proxy", "eob"]:
             assert variance["optimal"] <= variance[name] + slack, name
 
 

@@ -86,7 +86,7 @@ def _prefix_norms_sq(enum):
 # mistake such as "otb" -> ("sequence", "exact") would change on both sides).
 DEFINITIONS = {
     "none": ("none", "none"),
-    "mean": ("sequence", "uniform"),
+    "grpo": ("sequence", "uniform"),  # the mean E[R] (grpo and rloo alike at population level)
     "opo": ("sequence", "length"),
     "sequence_proxy": ("sequence", "proxy"),
     "eob": ("sequence", "exact"),
@@ -767,14 +767,21 @@ def test_f7_zero_epsilon_zero_energy_is_no_baseline_not_nan():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
     mask = torch.ones(2, 2, dtype=torch.float64)
     log_probs = torch.tensor([[0.0, math.log(0.5)], [0.0, math.log(0.5)]], dtype=torch.float64)
-    sum_sq = torch.tensor([[1.0, 0.5], [1.0, 0.5]], dtype=torch.float64)
+    sum_pi_squared = torch.tensor([[1.0, 0.5], [1.0, 0.5]], dtype=torch.float64)
     adv, _ = compute_advantages(
-        "otb", rewards, mask, [0, 0], old_log_probs=log_probs, sum_pi_squared=sum_sq, epsilon=0.0
+        "otb", rewards, mask, [0, 0], old_log_probs=log_probs, sum_pi_squared=sum_pi_squared, epsilon=0.0
     )
     # w = 1 − 2 exp(log 1/2) + 1/2 is 1/2 to one ulp: atol 1e-15 on values of size 3.
     torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0], [3.0, 1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
     adv, _ = compute_advantages(
-        "otb", rewards, mask, [0, 0], old_log_probs=log_probs, sum_pi_squared=sum_sq, epsilon=0.0, leave_one_out=True
+        "otb",
+        rewards,
+        mask,
+        [0, 0],
+        old_log_probs=log_probs,
+        sum_pi_squared=sum_pi_squared,
+        epsilon=0.0,
+        leave_one_out=True,
     )
     torch.testing.assert_close(adv, torch.tensor([[1.0, -2.0], [3.0, 2.0]], dtype=torch.float64), rtol=0, atol=1e-15)
 

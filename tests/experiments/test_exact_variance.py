@@ -57,7 +57,7 @@ def test_f3_eob_is_the_variance_optimal_sequence_constant(quick):
     """F3 (any reward function R of the response, here the total return): Var(EOB) <= Var(b) for every constant b,
     the baselines of grpo/rloo mean, opo, sequence_proxy included; b = 0 is no baseline under outcome reward."""
     for r in quick[0].population:
-        others = ["mean", "opo", "sequence_proxy"] + (["none"] if r["reward"] == "outcome" else [])
+        others = ["grpo", "opo", "sequence_proxy"] + (["none"] if r["reward"] == "outcome" else [])
         for name in others:
             assert r["var"]["eob"] <= r["var"][name] * (1 + TOL), (name, r)
 

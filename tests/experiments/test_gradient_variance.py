@@ -59,7 +59,7 @@ def direct_gradients(lm, sample, n: int) -> dict[str, torch.Tensor]:
         if estimator is None:
             advantages = rewards.sum(dim=1, keepdim=True) * mask
         else:
-            extra = {"old_log_probs": sample.old_log_probs[rows], "sum_pi_squared": sample.sum_pi_sq[rows]}
+            extra = {"old_log_probs": sample.old_log_probs[rows], "sum_pi_squared": sample.sum_pi_squared[rows]}
             if estimator in ("eob", "otb_exact"):
                 extra = train.exact_energies(estimator, lm, sequences, attention, mask, 1.0)
             advantages = compute_advantages(estimator, rewards, mask, rows // sample.group_size, **extra, **flags)[0]

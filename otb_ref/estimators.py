@@ -1,0 +1,80 @@
+"""The estimator table (THEORY §3): one table for compute_advantages, otb_ref.spec and otb_ref.exact.
+
+Every estimator is a cell of granularity × energy, plus two flags:
+
+    =========  ============================  ===============================
+    energy     granularity "sequence"        granularity "token"
+    =========  ============================  ===============================
+    uniform    grpo (std), rloo (loo)        token_mean
+    length     opo                           token_length
+    proxy      sequence_proxy                otb (the paper)
+    exact      eob (F3)                      otb_exact
+    =========  ============================  ===============================
+
+``leave_one_out`` builds each response's baseline from the others (unbiased, F7); ``std_normalize`` divides by
+the group's reward std (GRPO; biased, F7). Both concern finite groups: at population level (otb_ref.exact) a
+cell's baseline is the same with or without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["GRANULARITIES", "ENERGIES", "Estimator", "ESTIMATORS", "resolve_estimator", "population_cells"]
+
+GRANULARITIES = ("sequence", "token")
+ENERGIES = ("uniform", "length", "proxy", "exact")
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One cell of the estimator table (THEORY §3) with its flags."""
+
+    granularity: str
+    energy: str
+    leave_one_out: bool = False
+    std_normalize: bool = False
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator("sequence", "uniform", std_normalize=True),
+    "rloo": Estimator("sequence", "uniform", leave_one_out=True),
+    "opo": Estimator("sequence", "length"),
+    "sequence_proxy": Estimator("sequence", "proxy"),
+    "eob": Estimator("sequence", "exact"),
+    "token_mean": Estimator("token", "uniform"),
+    "token_length": Estimator("token", "length"),
+    "otb": Estimator("token", "proxy"),
+    "otb_exact": Estimator("token", "exact"),
+}
+
+
+def resolve_estimator(
+    estimator: str | Estimator, leave_one_out: bool | None = None, std_normalize: bool | None = None
+) -> Estimator:
+    """The :class:`Estimator` of a name of :data:`ESTIMATORS` (or an Estimator), with the flags given overriding
+    its own. Raises ValueError naming ``estimator`` for an unknown name, granularity or energy."""
+    if isinstance(estimator, Estimator):
+        spec = estimator
+        if spec.granularity not in GRANULARITIES:
+            raise ValueError(f"estimator: granularity must be one of {GRANULARITIES}, got {spec.granularity!r}")
+        if spec.energy not in ENERGIES:
+            raise ValueError(f"estimator: energy must be one of {ENERGIES}, got {spec.energy!r}")
+    elif isinstance(estimator, str) and estimator in ESTIMATORS:
+        spec = ESTIMATORS[estimator]
+    else:
+        raise ValueError(f"estimator: unknown estimator {estimator!r}; choose one of {sorted(ESTIMATORS)}")
+    if leave_one_out is not None:
+        spec = replace(spec, leave_one_out=bool(leave_one_out))
+    if std_normalize is not None:
+        spec = replace(spec, std_normalize=bool(std_normalize))
+    return spec
+
+
+def population_cells() -> dict[str, Estimator]:
+    """Each cell of the table once, named by its first estimator in :data:`ESTIMATORS`, flags off: the
+    population baselines (``"grpo"`` names the uniform sequence cell, the mean ``E[R]`` that grpo and rloo share)."""
+    cells: dict[tuple[str, str], str] = {}
+    for name, spec in ESTIMATORS.items():
+        cells.setdefault((spec.granularity, spec.energy), name)
+    return {name: Estimator(granularity, energy) for (granularity, energy), name in cells.items()}
