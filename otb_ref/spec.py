@@ -1,8 +1,13 @@
 """The estimator family in plain vectorised torch: the form to read, and to port (THEORY §3, F7).
 
-:func:`otb_ref.compute_advantages` computes exactly these numbers: it validates its inputs once and then runs
-a blocked, fused path (``otb_ref.advantages``). This module states the same maths with no blocking, no
-validation and no speed tricks; a hypothesis test checks that the two agree everywhere the strategies reach.
+:func:`otb_ref.compute_advantages` computes exactly these numbers: it checks shapes, devices and dtypes once,
+then runs a blocked, fused path (``otb_ref.advantages``) that checks each block's values as it reads them.
+This module states the same maths with no blocking, no validation and no speed tricks; a hypothesis test
+checks that the two agree everywhere the strategies reach.
+
+Estimator names and their cells (granularity × energy, flags) are the one table
+:data:`otb_ref.estimators.ESTIMATORS`; :mod:`otb_ref.exact` takes its population baselines' energies from
+:func:`energies` below.
 
 Notation (THEORY §1): B responses, T positions; ``m_t`` the response mask (holes allowed); rewards ``r_t``;
 ``G_t = Σ_{k ≥ t} m_k r_k`` the return-to-go and ``R = G_0`` the return. Groups are the responses of one

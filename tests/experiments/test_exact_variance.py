@@ -26,7 +26,7 @@ def test_quick_report_has_every_estimator_case_and_plot(quick):
     text = outcome.report.read_text()
     for part in ("Machine:", "Wall time:", "## What this shows", "## Population baselines", "## Finite groups"):
         assert part in text
-    header = "| V | L | responses | " + " | ".join(ev.label(n) for n in ev.POPULATION) + " |"
+    header = "| V | L | responses | " + " | ".join(ev.population_label(n) for n in ev.POPULATION) + " |"
     assert text.count(header) == len({lengths for lengths, _, _ in ev.QUICK.population}) * len(ev.PANELS)
     lines = text.splitlines()
     for name in ev.GROUP + ev.REFERENCES:  # a row in every group table, and one in the group summary
