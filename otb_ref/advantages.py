@@ -12,9 +12,10 @@ Every estimator subtracts a weighted group mean of the return:
 divide exactly, so e.g. GRPO's baseline is the exact group mean)
 
 where ``j`` runs over the responses of the same prompt (all of them, or all
-but ``i`` with ``leave_one_out``), ``G_t = Σ_{k≥t} r_k`` is the return to go,
-``R = G_1`` the total return, and at position ``t`` only responses alive there
-(``m_t = 1``) count. The energy axis says what the weights are:
+but ``i`` with ``leave_one_out``), ``G_t = Σ_{k≥t} m_k r_k`` is the return to go
+(rewards off the mask are ignored), ``R = G_0`` the total return (positions
+from 0), and at position ``t`` only responses alive there (``m_t = 1``) count.
+The energy axis says what the weights are:
 
     =========  ==========================  ==================================
     energy     sequence weight ``v``        realized energy ``W_t``
@@ -621,8 +622,10 @@ def compute_advantages(
         sum_pi_squared: ``[B, T]`` Σ_v π_old(v)² in (0, 1] (energy ``proxy``).
         grad_norms_sq: ``[B]`` ``||S||²`` per response (``eob``), e.g. from
             ``otb_ref.exact.sequence_grad_norms_sq``.
-        cumulative_energy: ``[B, T]`` ``||S_t||²`` (``otb_exact``), e.g. from
-            ``otb_ref.exact.prefix_grad_norms_sq``.
+        cumulative_energy: ``[B, T]`` the realized energy ``W_t = ||S_t||²`` of
+            each prefix (``otb_exact``), e.g. from ``otb_ref.exact.prefix_grad_norms_sq``:
+            the squared norm of the cumulative score, not a cumulative sum of per-token
+            energies (F5).
         rollout_is_weights: ``[B, T]`` truncated IS weights ``ρ̄_t ≥ 0``;
             per-token energies (``length``, ``proxy``) are multiplied by ``ρ̄_t²``.
         leave_one_out: build each response's baseline from the other
@@ -673,7 +676,8 @@ def compute_advantages(
     }
     inputs = _validate(spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail)
     epsilon = _checks.nonnegative_scalar("epsilon", epsilon)
-    # Counts need no guard: only sums of energies can be tiny but positive.
+    # ε only where the weights are energies (proxy, exact): counts, and sums of ρ̄² (length with IS weights),
+    # divide exactly, as in verl.
     baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     with torch.no_grad():
         if spec.granularity == "sequence":

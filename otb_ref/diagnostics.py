@@ -1,10 +1,10 @@
 """Forward-only variance diagnostics (THEORY.md §5).
 
 With a scalar advantage per response ``a_i`` (masked mean over its tokens) and
-its total energy ``W_i = Σ_t m_t w_t`` (``w_t`` the logit-gradient proxy, F6),
-the per-response squared gradient norm is approximated by ``W_i a_i²``:
+its proxy sequence weight ``v_i = Σ_t m_t w_t`` (``w_t`` the logit-gradient proxy, F6),
+the per-response squared gradient norm is approximated by ``v_i a_i²``:
 
-    total power   P = mean_i(W_i a_i²)          ≈ E||ĝ_i||²
+    total power   P = mean_i(v_i a_i²)          ≈ E||ĝ_i||²
     signal        S = ||ḡ||²                    (from the measured gradient norm)
     noise         (P − S) / (N − 1)             ≈ variance of the batch-mean gradient
 
@@ -45,11 +45,11 @@ def variance_proxy_metrics(
         old_log_probs: ``[B, T]`` log π(y_t).
         sum_pi_squared: ``[B, T]`` Σ_v π_v².
         rollout_is_weights: optional ``[B, T]`` truncated IS weights ``ρ̄_t``.
-            Then ``P = mean_i(ρ̄_i² a_i² W_i)`` with ``ρ̄_i`` the row's mean
-            weight and ``W_i`` the unweighted energy, and ``expected_w`` uses
+            Then ``P = mean_i(ρ̄_i² a_i² v_i)`` with ``ρ̄_i`` the row's mean
+            weight and ``v_i`` the unweighted energy, and ``expected_w`` uses
             ``ρ̄_t²``-weighted energies (the authors' convention). verl recovers
-            ``W_i`` as ``Σ_t (w_t ρ̄_t²) / max(ρ̄_t², 1e-10)``, which under-counts
-            ``w_t`` where ``ρ̄_t < 1e-5``; here ``W_i`` is exact.
+            ``v_i`` as ``Σ_t (w_t ρ̄_t²) / max(ρ̄_t², 1e-10)``, which under-counts
+            ``w_t`` where ``ρ̄_t < 1e-5``; here ``v_i`` is exact.
         grad_norm: measured norm of the batch-mean gradient ``||ḡ||``.
 
     Returns:
@@ -57,7 +57,7 @@ def variance_proxy_metrics(
         "variance_proxy/proxy2_total_power": P,
         "variance_proxy/proxy3_pure_noise": max(0, (P − S)/(B − 1)),
         "variance_proxy/expected_a_squared": mean_i a_i²,
-        "variance_proxy/expected_w": mean_i W_i}``; signal and noise are 0
+        "variance_proxy/expected_w": mean_i v_i}``; signal and noise are 0
         when ``grad_norm`` is not given, noise is 0 for ``B = 1``.
     """
     _checks.require_tensor("advantages", advantages)

@@ -6,7 +6,8 @@ respect to the logits is ``(e_y − π) / τ`` and
     ||e_y − π||² = 1 − 2 π_y + Σ_v π_v²                               (F6)
 
 so a token's energy needs only its log-probability and ``Σ_v π_v²``. The
-constant ``1/τ²`` is dropped: it cancels in every baseline ratio.
+constant ``1/τ²`` is dropped: it cancels in every baseline ratio (up to ``ε``,
+which it rescales).
 
 ``Σ_v π_v²`` is evaluated as ``Σ_v e_v² / (Σ_v e_v)²`` with
 ``e_v = exp(z_v − max z) ∈ [0, 1]``: no overflow at any logit scale, at least

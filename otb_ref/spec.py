@@ -14,16 +14,25 @@ Notation (THEORY §1): B responses, T positions; ``m_t`` the response mask (hole
 prompt.
 
 * Energies. Per-token energy ``w_t`` (``length``: 1; ``proxy``: ``1 − 2π(y_t) + Σπ²``), times ``ρ̄_t²`` with IS
-  weights. Sequence weight ``v = Σ_t w_t`` (``uniform``: 1; ``exact``: ``‖S‖²``). Realized energy
-  ``W_t = Σ_{j ≤ t} w_j`` (``uniform``: 1; ``exact``: ``‖S_t‖²``).
+  weights. Sequence weight ``v = Σ_t m_t w_t`` (``uniform``: 1; ``exact``: ``‖S‖²``). Realized energy
+  ``W_t = Σ_{j ≤ t} m_j w_j`` (``uniform``: 1; ``exact``: ``‖S_t‖²``, the caller's ``cumulative_energy``).
 * Sequence baselines: ``b_i = Σ_{j ∈ g} v_j R_j / Σ_{j ∈ g} v_j``, then ``A_it = (R_i − b_i) m_it``.
 * Token baselines: ``B_it = Σ_{j ∈ g} m_jt W_jt G_jt / Σ_{j ∈ g} m_jt W_jt``, then ``A_it = (G_it − B_it) m_it``.
 * Leave-one-out: the sums over ``g`` skip ``j = i`` (unbiased, F7). Groups of one get no baseline.
 * Std scaling (GRPO): ``A ← A / (std_g(R) + ε)`` with the unbiased std of the group's returns.
-* ``ε`` is added to energy-weighted denominators (``proxy``, ``exact``) only; a zero denominator gives 0.
+* ``ε`` is added to energy-weighted denominators (``proxy``, ``exact``) only; a denominator ``≤ 0`` gives 0.
+* Empty responses (``m ≡ 0``) count as members of their group (with ``R = 0``), except with multi-turn.
 * Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
   empty responses take no part in their group.
-* Zero tail: the unique longest response of a group gets baseline 0 at positions beyond the second longest.
+* Zero tail: the unique longest response of a group (length = number of tokens with ``m = 1``) gets baseline
+  0 at positions ``≥`` the second-longest length: ranks with multi-turn, absolute positions without (as in
+  verl; with holes and no multi-turn, lengths and positions then differ).
+
+Values off the mask are ignored, whatever they are (NaN included). Leave-one-out sums are "group total minus
+own term", as in the fast path: when the others' weights are below ~1e-16 of a row's own, that difference is
+rounding (fp64 limits it; computing ``Σ_{j ≠ i}`` directly gives other numbers there). Combinations that
+``compute_advantages`` rejects (``multi_turn`` or ``handle_zero_tail`` on sequence estimators, IS weights with
+``uniform`` or ``exact`` energy) are undefined here: this module does not validate.
 """
 
 from __future__ import annotations
@@ -58,7 +67,11 @@ def energies(
     cumulative_energy=None,
     rollout_is_weights=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(v [B], W [B, T])``: each response's sequence weight and its realized energy at every position."""
+    """``(v [B], W [B, T])``: each response's sequence weight and its realized energy at every position.
+
+    Inputs are zero off the mask (see :func:`advantages`). ``W`` is not masked: it carries through holes and past
+    the end (``length``, ``proxy``), is 1 everywhere (``uniform``), or is the caller's ``cumulative_energy``
+    (``exact``); callers weight by ``m_t W_t``."""
     if spec.energy == "uniform":
         return mask.new_ones(mask.shape[0]), torch.ones_like(mask)
     if spec.energy == "exact":
@@ -72,10 +85,10 @@ def energies(
 
 def group_mean(weights, values, group, leave_one_out: bool, epsilon: float) -> torch.Tensor:
     """``Σ_{j ∈ g(i)} a_j x_j / (Σ_{j ∈ g(i)} a_j + ε)`` per row (``j ≠ i`` with leave-one-out); 0 where the
-    denominator is 0. weights, values: [B, ...]; group: [B] ids in [0, G). Returns [B, ...]."""
+    denominator is ``≤ 0``. weights, values: [B, ...]; group: [B] ids in [0, G). Returns [B, ...]."""
     num_groups = int(group.max()) + 1 if group.numel() else 0
-    num = torch.zeros(num_groups, *values.shape[1:], dtype=values.dtype).index_add_(0, group, weights * values)
-    den = torch.zeros(num_groups, *values.shape[1:], dtype=values.dtype).index_add_(0, group, weights)
+    num = values.new_zeros(num_groups, *values.shape[1:]).index_add_(0, group, weights * values)
+    den = values.new_zeros(num_groups, *values.shape[1:]).index_add_(0, group, weights)
     num, den = num[group], den[group]
     if leave_one_out:
         num, den = num - weights * values, den - weights
@@ -84,34 +97,34 @@ def group_mean(weights, values, group, leave_one_out: bool, epsilon: float) -> t
 
 
 def sequence_advantages(R, v, mask, group, counted, leave_one_out: bool, epsilon: float) -> torch.Tensor:
-    """``A_it = (R_i − b_i) m_it`` with ``b_i`` the v-weighted group mean of R. R, v, group, counted: [B];
-    mask: [B, T]. Rows not ``counted`` neither contribute nor get a baseline."""
+    """``A_it = (R_i − b_i) m_it`` with ``b_i`` the v-weighted group mean of R. R, v, group: [B]; counted: [B]
+    0/1 float; mask: [B, T]. Rows not ``counted`` neither contribute nor get a baseline."""
     b = group_mean(v * counted, R, group, leave_one_out, epsilon)  # [B]
     b = torch.where(_group_size(group, counted) >= 2, b, 0.0) * counted
     return (R - b)[:, None] * mask
 
 
 def token_advantages(
-    G, W, mask, group, counted, leave_one_out: bool, epsilon: float, zero_tail_from: torch.Tensor | None = None
+    G, W, mask, group, counted, leave_one_out: bool, epsilon: float, tail_start: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``A_it = (G_it − B_it) m_it`` with ``B_it`` the ``m W``-weighted group mean of ``G`` at position t.
-    G, W, mask: [B, T] (already aligned: multi-turn callers pass rank-aligned slots); group, counted: [B].
-    ``zero_tail_from`` [B]: the baseline is 0 at positions ``≥`` it (``T`` for no zero tail)."""
+    G, W, mask: [B, T] (already aligned: multi-turn callers pass rank-aligned slots); group: [B]; counted: [B]
+    0/1 float. ``tail_start`` [B]: the baseline is 0 at positions ``≥`` it (``T`` for no zero tail)."""
     weights = W * mask * counted[:, None]  # [B, T]: only tokens that exist take part
     b = group_mean(weights, G, group, leave_one_out, epsilon)  # [B, T]
     b = torch.where((_group_size(group, counted) >= 2)[:, None], b, 0.0) * counted[:, None]
-    if zero_tail_from is not None:
-        b = torch.where(torch.arange(G.shape[1]) >= zero_tail_from[:, None], 0.0, b)
+    if tail_start is not None:
+        b = torch.where(torch.arange(G.shape[1], device=G.device) >= tail_start[:, None], 0.0, b)
     return (G - b) * mask
 
 
 def _group_size(group, counted) -> torch.Tensor:
     """Number of counted rows in each row's group, [B]."""
     num_groups = int(group.max()) + 1 if group.numel() else 0
-    return torch.zeros(num_groups, dtype=counted.dtype).index_add_(0, group, counted)[group]
+    return counted.new_zeros(num_groups).index_add_(0, group, counted)[group]
 
 
-def _zero_tail_from(lengths, group, counted, T: int) -> torch.Tensor:
+def _zero_tail_start(lengths, group, counted, T: int) -> torch.Tensor:
     """Second-longest length of the group for the unique longest row of each group; ``T`` (no tail) else."""
     start = torch.full_like(lengths, T)
     for g in group.unique():
@@ -124,10 +137,15 @@ def _zero_tail_from(lengths, group, counted, T: int) -> torch.Tensor:
     return start
 
 
-def _rank_slots(mask: torch.Tensor) -> torch.Tensor:
+def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
     """``slot[i, t]``: the rank k of token t among row i's generated tokens (T for positions off the mask)."""
     rank = mask.long().cumsum(dim=-1) - 1
     return torch.where(mask.bool(), rank, mask.shape[1])
+
+
+def _to_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Move ``x[i, t]`` to column ``slot[i, t]`` of a ``[B, T + 1]`` buffer, drop the last (discard) column."""
+    return x.new_zeros(x.shape[0], x.shape[1] + 1).scatter_(1, slot, x)[:, :-1]
 
 
 def advantages(
@@ -149,31 +167,33 @@ def advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages`` (fp64)."""
     spec = resolve_estimator(estimator, leave_one_out, std_normalize)  # the table's cell, flags overridden
-    rewards, mask = rewards.double(), (mask != 0).double()
+    valid = mask != 0
+    rewards, mask = torch.where(valid, rewards.double(), 0.0), valid.double()  # whatever stood off the mask: 0
+    tensors = dict(
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        cumulative_energy=cumulative_energy,
+        rollout_is_weights=rollout_is_weights,
+    )
+    tensors = {name: None if x is None else torch.where(valid, x.double(), 0.0) for name, x in tensors.items()}
+    grad_norms_sq = None if grad_norms_sq is None else grad_norms_sq.double()
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
-    group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long)  # [B] in [0, G)
+    group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long, device=mask.device)  # [B] in [0, G)
     baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     lengths = mask.sum(dim=-1).long()  # [B]
-    counted = (lengths > 0).double() if multi_turn else torch.ones_like(rewards[:, 0])
-    v, W = energies(
-        spec,
-        mask,
-        *(
-            None if x is None else x.double()
-            for x in (old_log_probs, sum_pi_squared, grad_norms_sq, cumulative_energy, rollout_is_weights)
-        ),
-    )
+    counted = (lengths > 0).double() if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
+    v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)
     G = returns_to_go(rewards, mask)  # [B, T]
     R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
     if spec.granularity == "sequence":
         adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)
         ret = R[:, None] * mask
     else:
-        tail = _zero_tail_from(lengths, group, counted, mask.shape[1]) if handle_zero_tail else None
+        tail = _zero_tail_start(lengths, group, counted, mask.shape[1]) if handle_zero_tail else None
         if multi_turn:  # align by generated-token rank: slot k holds each row's k-th token
-            slot = _rank_slots(mask)  # [B, T]
-            aligned = [torch.zeros_like(x).scatter_(1, slot.clamp(max=x.shape[1] - 1), x * mask) for x in (G, W, mask)]
+            slot = _generated_token_rank(mask)  # [B, T]; T (one extra, discarded column) off the mask
+            aligned = [_to_slots(x, slot) for x in (G, W, mask)]
             adv_slots = token_advantages(*aligned, group, counted, spec.leave_one_out, baseline_epsilon, tail)
             adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
         else:

@@ -62,3 +62,26 @@ def test_spec_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     if not leave_one_out:  # row 1 is alone at position 3: include-self baseline = its own G_3 = 2, unless zeroed
         assert float(fast[0][1, 3]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_spec_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name):
+    """NaN and inf off the mask change nothing (as in the fast path); T = 0 gives [B, 0] outputs."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    clean = dict(
+        old_log_probs=-torch.rand(3, 4, generator=g, dtype=torch.float64),
+        sum_pi_squared=torch.full((3, 4), 0.5, dtype=torch.float64),
+        cumulative_energy=torch.rand(3, 4, generator=g, dtype=torch.float64),
+        grad_norms_sq=torch.rand(3, generator=g, dtype=torch.float64),
+    )
+    rewards = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    off = mask == 0
+    dirty = {k: v if v.dim() == 1 else v.masked_fill(off, float("nan")) for k, v in clean.items()}
+    want = compute_advantages(name, rewards, mask, [0, 0, 0], **clean)
+    got = spec.advantages(name, rewards.masked_fill(off, float("inf")), mask, [0, 0, 0], **dirty)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    empty = {k: v if v.dim() == 1 else v[:, :0] for k, v in clean.items()}
+    got = spec.advantages(name, rewards[:, :0], mask[:, :0], [0, 0, 0], **empty)
+    assert [tuple(x.shape) for x in got] == [(3, 0), (3, 0)]

@@ -167,8 +167,8 @@ MUTATIONS = [
     Mutation(
         "Aloo_tok",
         "otb_ref/advantages.py",
-        "num = at_slot(numerator[group[rows]]) - own * returns[rows].to(sum_dtype)",
-        "num = at_slot(numerator[group[rows]])",
+        "num = _at_slots(numerator[group[rows]], slot) - own * returns[rows].to(sum_dtype)",
+        "num = _at_slots(numerator[group[rows]], slot)",
         "token leave-one-out: own term kept in the numerator",
         "f7",
     ),

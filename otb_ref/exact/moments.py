@@ -7,7 +7,7 @@ advantage ``a_t`` that is zero off the mask. Over an :class:`Enumeration`:
     second    E||ĝ||² = Σ_y P(y) a_yᵀ K_y a_y             (K_y[t,u] = <s_t, s_u>)
     variance  Var ĝ  = E||ĝ||² − ||E ĝ||²                  (trace of the covariance)
 
-Population baselines are constants (one per position, or one per sequence):
+Population baselines are constants (one per position, or a single scalar for sequence estimators):
 
     token      a_t = m_t (G_t − B_t),   B_t = E[m_t W_t G_t] / E[m_t W_t]
     sequence   a_t = m_t (R − b),       b   = E[v R] / E[v]
