@@ -2,6 +2,8 @@
 
     python experiments/stability.py            # 3 estimators x 3 seeds, results/stability.md + PNG
     python experiments/stability.py --quick    # seconds (the test suite)
+    python experiments/stability.py --lr 3e-3 --epochs 4 --runs-dir runs/stability_harsh \
+        --out-dir results/stability_harsh      # the harsher setting (results/stability_harsh/)
 
 Setting: the reproduction's warm start and ``copy_exact`` task (responses of 65-81 tokens, 0/1 reward), pushed
 toward instability by a learning rate 10x the reproduction's (1e-3) and two PPO epochs of two mini-batches per
@@ -29,7 +31,21 @@ import reproduction  # noqa: E402
 from common import new_figure, write_report  # noqa: E402
 
 ARMS = {name: ["--estimator", name, "--group-size", "8"] for name in ("grpo", "rloo", "otb")}
-COMMON = ["--prompts-per-step", "8", "--lr", "1e-3", "--epochs", "2", "--mini-batches", "2", *reproduction.RUN_FLAGS]
+
+
+def common_flags(lr: str, epochs: int) -> list[str]:
+    """The flags every arm shares; only the estimator differs between arms."""
+    return [
+        "--prompts-per-step",
+        "8",
+        "--lr",
+        lr,
+        "--epochs",
+        str(epochs),
+        "--mini-batches",
+        "2",
+        *reproduction.RUN_FLAGS,
+    ]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -63,10 +79,17 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--token-budget", type=int, default=120_000)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--lr", default="1e-3", help="learning rate of every arm (passed to train.py as written)")
+    parser.add_argument("--epochs", type=int, default=2, help="PPO epochs per step, every arm")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "stability")
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
+    try:
+        if not float(args.lr) > 0:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--lr: expected a positive number, got {args.lr!r}")
     started, task = time.perf_counter(), reproduction.QUICK_TASK if args.quick else reproduction.TASK
     if args.quick:
         args.seeds, args.token_budget = args.seeds[:1], 300
@@ -77,7 +100,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     def one(job):
         name, seed = job
-        flags = [*task, *COMMON, *ARMS[name]]
+        flags = [*task, *common_flags(args.lr, args.epochs), *ARMS[name]]
         return reproduction.run_arm(name, seed, args.token_budget, args.warm, args.runs_dir, flags)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -111,7 +134,8 @@ def main(argv: list[str] | None = None) -> Path:
         for name, runs in summaries.items()
     }
     sections = [
-        f"Warm start: `{args.warm}`; task flags `{' '.join(task)}`; common flags `{' '.join(COMMON)}`; N = 8; "
+        f"Warm start: `{args.warm}`; task flags `{' '.join(task)}`; common flags "
+        f"`{' '.join(common_flags(args.lr, args.epochs))}`; N = 8; "
         f"token budget {args.token_budget}; seeds {args.seeds}.",
         "",
         *lines,
