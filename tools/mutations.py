@@ -101,8 +101,8 @@ MUTATIONS = [
     Mutation(
         "Mbstar",
         "otb_ref/exact/moments.py",
-        "        enum.token_energy_exact,\n        enum.probs,",
-        "        enum.energy,\n        enum.probs,",
+        "energy = enum.token_energy_exact * enum.mask",
+        "energy = enum.energy * enum.mask",
         "B** weighted by proxy energies instead of E[m_t ||s_t||²]",
         "f4",
     ),

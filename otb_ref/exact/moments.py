@@ -90,12 +90,10 @@ POPULATION_ESTIMATORS: dict[str, Estimator | None] = {"none": None, **population
 def optimal_token_baseline(enum: Enumeration, rewards: torch.Tensor) -> torch.Tensor:
     """``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]`` (F4), ``[L]``; 0 where the denominator is 0."""
     g0 = returns_to_go(rewards, enum.mask) * enum.mask  # a_t of plain REINFORCE
-    inner = torch.einsum("mtu,mu->mt", enum.gram, g0)  # <s_t, ĝ_0(y)> [M, L]
-    return _population_mean(
-        inner / torch.where(enum.token_energy_exact > 0, enum.token_energy_exact, 1.0),
-        enum.token_energy_exact,
-        enum.probs,
-    )
+    inner = torch.einsum("mtu,mu->mt", enum.gram, g0) * enum.mask  # m_t <s_t, ĝ_0(y)> [M, L]
+    energy = enum.token_energy_exact * enum.mask  # m_t ||s_t||² [M, L]
+    numerator, denominator = enum.probs @ inner, enum.probs @ energy  # [L] each
+    return torch.where(denominator > 0, numerator / torch.where(denominator > 0, denominator, 1.0), 0.0)
 
 
 def population_baseline(enum: Enumeration, rewards: torch.Tensor, name: str) -> torch.Tensor:
