@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     try:
-        if not float(args.lr) > 0:
+        if not 0 < float(args.lr) < float("inf"):
             raise ValueError
     except ValueError:
-        parser.error(f"--lr: expected a positive number, got {args.lr!r}")
+        parser.error(f"--lr: expected a positive finite number, got {args.lr!r}")
     started, task = time.perf_counter(), reproduction.QUICK_TASK if args.quick else reproduction.TASK
     if args.quick:
         args.seeds, args.token_budget = args.seeds[:1], 300
@@ -127,12 +127,13 @@ def main(argv: list[str] | None = None) -> Path:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(by_arm, args.out_dir)
     (args.out_dir / "stability.json").write_text(json.dumps(summaries, indent=1))
-    medians = {
-        name: statistics.mean(
-            r["grad_norm_max"] / r["grad_norm_median"] if r["grad_norm_median"] > 0 else 0.0 for r in runs
-        )
+    # A collapsed run (every reward 0: zero advantages) can have a median gradient norm of 0: its max/median is
+    # undefined and every nonzero step counts as a spike. Such runs are left out of the ratio and named.
+    ratios = {
+        name: [r["grad_norm_max"] / r["grad_norm_median"] for r in runs if r["grad_norm_median"] > 0]
         for name, runs in summaries.items()
     }
+    zero_median = {name: sum(r["grad_norm_median"] == 0 for r in runs) for name, runs in summaries.items()}
     sections = [
         f"Warm start: `{args.warm}`; task flags `{' '.join(task)}`; common flags "
         f"`{' '.join(common_flags(args.lr, args.epochs))}`; N = 8; "
@@ -141,8 +142,14 @@ def main(argv: list[str] | None = None) -> Path:
         *lines,
         "",
         "Largest gradient norm over the run's median, mean over seeds: "
-        + ", ".join(f"{k} {v:.1f}x" for k, v in medians.items())
-        + ".",
+        + ", ".join(f"{k} {statistics.mean(v):.1f}x" if v else f"{k} undefined" for k, v in ratios.items())
+        + "."
+        + "".join(
+            f" {k}: {n} of {len(summaries[k])} runs have a median gradient norm of 0 (collapsed: all rewards 0), "
+            "left out of the ratio; their spikes count every nonzero step."
+            for k, n in zero_median.items()
+            if n
+        ),
         "",
         "![gradient norm and reward vs generated tokens](stability.png)",
     ]

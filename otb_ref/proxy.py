@@ -101,10 +101,10 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
         ``[0, 2]`` (the exact value lies there; the clamp removes rounding).
 
     Accuracy: the error is a few units of the last place of 1 (~1e-15 in fp64, ~5e-7 in fp32), absolute. As
-    ``π(y) → 1`` the form cancels (``Σπ²`` itself is only known to that precision near 1), so an energy below
-    ~1e-12 (fp64) or ~1e-5 (fp32) has a large relative error. Realized energies ``W_t`` sum many tokens and
-    the baselines add ``ε`` to their denominators, so this matters only for groups whose every response is
-    near-deterministic up to ``t`` with ``ε = 0``.
+    ``π(y) → 1`` the form cancels (``Σπ²`` itself is only known to that precision near 1), so an energy ``w``
+    carries a relative error of about ``1e-15 / w`` (fp64) or ``5e-7 / w`` (fp32). Realized energies ``W_t``
+    sum many tokens and the baselines add ``ε`` to their denominators, so this matters only for groups whose
+    every response is near-deterministic up to ``t`` with ``ε = 0``.
     """
     require_tensor("log_probs", log_probs)
     require_tensor("sum_pi_squared", sum_pi_squared)

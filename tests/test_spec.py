@@ -66,7 +66,8 @@ def test_spec_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_spec_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name):
-    """NaN and inf off the mask change nothing (as in the fast path); T = 0 gives [B, 0] outputs."""
+    """NaN and inf off the mask (every [B, T] input, IS weights included) change nothing, as in the fast path;
+    T = 0 gives [B, 0] outputs."""
     g = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     clean = dict(
@@ -75,6 +76,8 @@ def test_spec_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name
         cumulative_energy=torch.rand(3, 4, generator=g, dtype=torch.float64),
         grad_norms_sq=torch.rand(3, generator=g, dtype=torch.float64),
     )
+    if ESTIMATORS[name].energy in ("length", "proxy"):
+        clean["rollout_is_weights"] = 2 * torch.rand(3, 4, generator=g, dtype=torch.float64)
     rewards = torch.randn(3, 4, generator=g, dtype=torch.float64)
     off = mask == 0
     dirty = {k: v if v.dim() == 1 else v.masked_fill(off, float("nan")) for k, v in clean.items()}
