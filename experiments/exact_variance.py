@@ -82,6 +82,7 @@ COLORS = {
     "otb_exact": "C8",
     "optimal": "black",
 }
+POPULATION_COLORS = {**COLORS, "grpo": COLORS["rloo"]}  # the population mean: rloo's colour in group plots
 POLICIES = ["tree", "shared"]
 REWARDS = ["outcome", "dense"]
 PANELS = [(policy, reward) for policy in POLICIES for reward in REWARDS]
@@ -531,7 +532,7 @@ def plot_horizons(population: list[dict], out_dir: Path) -> list[str]:
                 style = {"ls": "--"} if name == "optimal" else {"marker": "o", "ms": 3}
                 width = 2.0 if name == "otb" else 1.0
                 values = [row[2][name] for row in rows]
-                color = COLORS["rloo" if name == "grpo" else name]  # the mean's colour, as rloo's in the group plots
+                color = POPULATION_COLORS[name]
                 axis.plot(horizons, values, color=color, lw=width, label=population_label(name), **style)
             _log_axes(axis, horizons, "Var / Var(B**)", "horizon L", f"{policy} policy, {reward} reward")
         axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))

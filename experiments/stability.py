@@ -48,6 +48,17 @@ def common_flags(lr: str, epochs: int) -> list[str]:
     ]
 
 
+def _positive_number(text: str) -> str:
+    """argparse type: ``text`` unchanged if it reads as a positive finite number (so the report shows it as given)."""
+    try:
+        ok = 0 < float(text) < float("inf")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return text
+
+
 def summarize(records: list[dict]) -> dict:
     base = reproduction.run_summary(records, records[-1]["tokens"])
     start = sum(r["reward_mean"] for r in records[:5]) / len(records[:5])
@@ -79,17 +90,14 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--token-budget", type=int, default=120_000)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--lr", default="1e-3", help="learning rate of every arm (passed to train.py as written)")
+    parser.add_argument(
+        "--lr", type=_positive_number, default="1e-3", help="learning rate of every arm (passed to train.py as written)"
+    )
     parser.add_argument("--epochs", type=int, default=2, help="PPO epochs per step, every arm")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "stability")
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
-    try:
-        if not 0 < float(args.lr) < float("inf"):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--lr: expected a positive finite number, got {args.lr!r}")
     started, task = time.perf_counter(), reproduction.QUICK_TASK if args.quick else reproduction.TASK
     if args.quick:
         args.seeds, args.token_budget = args.seeds[:1], 300

@@ -43,7 +43,7 @@ import torch
 from otb_ref import _checks
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
-from otb_ref.spec import returns_to_go
+from otb_ref.spec import generated_token_rank, returns_to_go, to_slots
 
 __all__ = [
     "ESTIMATORS",
@@ -342,21 +342,9 @@ def _put(out: torch.Tensor | None, rows: slice, value: torch.Tensor) -> torch.Te
     return out
 
 
-def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
-    """``[b, T]`` int64: k for a response's k-th generated token; ``T`` (a discard column) off the mask."""
-    rank = mask.cumsum(dim=-1).long() - 1
-    return torch.where(mask != 0, rank, mask.shape[1])
-
-
 def _at_slots(values: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
     """Read ``values [b, T]`` (per slot) back at each token's slot; ``slot=None`` (not multi-turn): unchanged."""
     return values if slot is None else values.gather(1, slot)
-
-
-def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Move each entry of ``values [b, T]`` to column ``slot`` (``T`` = discard)."""
-    batch_size, length = values.shape
-    return values.new_zeros((batch_size, length + 1)).scatter_(1, slot, values)[:, :length]
 
 
 # ---------------------------------------------------------------------------
@@ -452,8 +440,8 @@ def _token_advantages(
         if spec.leave_one_out:
             own_W = _put(own_W, rows, W)
         if multi_turn:  # compare k-th generated tokens, not absolute positions
-            slot = _generated_token_rank(mask)
-            W, G = _to_slots(W, slot), _to_slots(G, slot)
+            slot = generated_token_rank(mask)
+            W, G = to_slots(W, slot), to_slots(G, slot)
         # In sum_dtype before multiplying: pass 2 subtracts exactly this product for leave-one-out.
         W, G = W.to(sum_dtype), G.to(sum_dtype)
         numerator.index_add_(0, group[rows], W * G)
@@ -481,7 +469,7 @@ def _token_advantages(
 
     for rows in blocks:  # pass 2
         mask = inputs.mask[rows].to(dtype)
-        slot = _generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
+        slot = generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
         if spec.leave_one_out:
             own = own_W[rows].to(sum_dtype)
             num = _at_slots(numerator[group[rows]], slot) - own * returns[rows].to(sum_dtype)

@@ -44,6 +44,8 @@ from otb_ref.proxy import token_energy
 
 __all__ = [
     "returns_to_go",
+    "generated_token_rank",
+    "to_slots",
     "energies",
     "group_mean",
     "sequence_advantages",
@@ -137,13 +139,13 @@ def _zero_tail_start(lengths, group, counted, T: int) -> torch.Tensor:
     return start
 
 
-def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
+def generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
     """``slot[i, t]``: the rank k of token t among row i's generated tokens (T for positions off the mask)."""
     rank = mask.long().cumsum(dim=-1) - 1
     return torch.where(mask.bool(), rank, mask.shape[1])
 
 
-def _to_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def to_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Move ``x[i, t]`` to column ``slot[i, t]`` of a ``[B, T + 1]`` buffer, drop the last (discard) column."""
     return x.new_zeros(x.shape[0], x.shape[1] + 1).scatter_(1, slot, x)[:, :-1]
 
@@ -192,8 +194,8 @@ def advantages(
     else:
         tail = _zero_tail_start(lengths, group, counted, mask.shape[1]) if handle_zero_tail else None
         if multi_turn:  # align by generated-token rank: slot k holds each row's k-th token
-            slot = _generated_token_rank(mask)  # [B, T]; T (one extra, discarded column) off the mask
-            aligned = [_to_slots(x, slot) for x in (G, W, mask)]
+            slot = generated_token_rank(mask)  # [B, T]; T (one extra, discarded column) off the mask
+            aligned = [to_slots(x, slot) for x in (G, W, mask)]
             adv_slots = token_advantages(*aligned, group, counted, spec.leave_one_out, baseline_epsilon, tail)
             adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
         else:

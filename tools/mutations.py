@@ -198,9 +198,9 @@ MUTATIONS = [
     ),
     Mutation(
         "Arank",
-        "otb_ref/advantages.py",
-        "rank = mask.cumsum(dim=-1).long() - 1",
-        "rank = mask.cumsum(dim=-1).long()",
+        "otb_ref/spec.py",
+        "rank = mask.long().cumsum(dim=-1) - 1",
+        "rank = mask.long().cumsum(dim=-1)",
         "multi-turn slots off by one",
         "f7",
     ),
