@@ -665,6 +665,7 @@ def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
             "advantages": b.advantages.cpu(),
             "rewards": b.scores.cpu(),
             "response_ids": b.response_ids.cpu(),
+            "mask": b.mask.cpu(),
         }
         torch.save(dump, Path(cfg.debug_dump) / f"step{step}_rank{run.env.rank}.pt")
 

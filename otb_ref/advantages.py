@@ -43,7 +43,7 @@ import torch
 from otb_ref import _checks
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
-from otb_ref.spec import generated_token_rank, returns_to_go, to_slots
+from otb_ref.spec import generated_token_rank, group_std, returns_to_go, to_slots
 
 __all__ = [
     "ESTIMATORS",
@@ -132,13 +132,16 @@ def _group_weighted_mean(
     return _safe_ratio(numerator, denominator + epsilon).to(dtype)
 
 
-def _group_std(
-    values: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor
+def _std_scale(
+    centred: torch.Tensor, alive: torch.Tensor, group: torch.Tensor, applies: torch.Tensor, epsilon: float
 ) -> torch.Tensor:
-    """Unbiased standard deviation of ``values [B]`` over each group's counted rows, gathered to ``[B]`` (two-pass)."""
-    mean = _segment_sum(torch.where(counted, values, 0.0), group, num_groups) / counts.clamp(min=1)  # [G]
-    deviations = torch.where(counted, values - mean[group], 0.0)  # [B]
-    return (_segment_sum(deviations.square(), group, num_groups) / (counts - 1).clamp(min=1)).sqrt()[group]
+    """``[B]`` factor ``1/(σ_g + ε)`` of std scaling, σ_g the group's std of what its baseline centres
+    (:func:`otb_ref.spec.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
+    not ``apply`` [B] or the group's centred values do not differ (zero spread: no division of an ε residue by ε).
+    """
+    sd, spread = group_std(centred, alive, group)
+    sd = sd + epsilon
+    return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -399,9 +402,9 @@ def _sequence_advantages(
         total_return, v, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_epsilon
     )
     advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
-    if spec.std_normalize:
-        std = _group_std(total_return, counted, inputs.group, inputs.num_groups, counts)
-        advantage = torch.where(in_group, _safe_ratio(advantage, std + epsilon), advantage)  # std = ε = 0: all equal, 0
+    if spec.std_normalize:  # σ of R over the group
+        alive = torch.ones_like(total_return)[:, None]
+        advantage = advantage * _std_scale(total_return[:, None], alive, inputs.group, in_group, epsilon)
     return advantage[:, None] * mask, total_return[:, None] * mask
 
 
@@ -456,11 +459,13 @@ def _token_advantages(
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts, length)
     scale = None
-    if spec.std_normalize:
-        std = _group_std(returns[:, 0] if length else lengths.to(dtype), counted, group, inputs.num_groups, counts)
-        scale = torch.where(
-            counts[group] >= 2, _safe_ratio(torch.ones_like(std), std + epsilon), 1.0
-        )  # [B]; 0 if std = ε = 0
+    if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
+        alive = (inputs.mask != 0).to(dtype) * counted[:, None]
+        centred = returns
+        if multi_turn:
+            slot = generated_token_rank(alive)
+            centred, alive = to_slots(returns, slot), to_slots(alive, slot)
+        scale = _std_scale(centred, alive, group, counted & (counts[group] >= 2), epsilon)  # [B]
     group_baseline = None
     if not spec.leave_one_out:
         group_baseline = _safe_ratio(numerator, denominator + baseline_epsilon) * group_has_baseline[:, None]  # [G, T]

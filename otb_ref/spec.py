@@ -19,7 +19,9 @@ prompt.
 * Sequence baselines: ``b_i = Σ_{j ∈ g} v_j R_j / Σ_{j ∈ g} v_j``, then ``A_it = (R_i − b_i) m_it``.
 * Token baselines: ``B_it = Σ_{j ∈ g} m_jt W_jt G_jt / Σ_{j ∈ g} m_jt W_jt``, then ``A_it = (G_it − B_it) m_it``.
 * Leave-one-out: the sums over ``g`` skip ``j = i`` (unbiased, F7). Groups of one get no baseline.
-* Std scaling (GRPO): ``A ← A / (std_g(R) + ε)`` with the unbiased std of the group's returns.
+* Std scaling (GRPO): ``A ← A / (σ_g + ε)`` with ``σ_g`` the group's unbiased std of what its baseline centres
+  (:func:`group_std`): ``R`` for sequence cells, ``G_t`` pooled within positions for token cells (THEORY §3).
+  A group whose centred values do not differ (zero spread) is left unscaled.
 * ``ε`` is added to energy-weighted denominators (``proxy``, ``exact``) only; a denominator ``≤ 0`` gives 0.
 * Empty responses (``m ≡ 0``) count as members of their group (with ``R = 0``), except with multi-turn.
 * Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
@@ -50,6 +52,7 @@ __all__ = [
     "group_mean",
     "sequence_advantages",
     "token_advantages",
+    "group_std",
     "std_scaled",
     "advantages",
 ]
@@ -191,25 +194,53 @@ def advantages(
     if spec.granularity == "sequence":
         adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)
         ret = R[:, None] * mask
+        centred, alive = R[:, None], counted[:, None]  # what the baseline centres: R, one value per row
     else:
         tail = _zero_tail_start(lengths, group, counted, mask.shape[1]) if handle_zero_tail else None
+        centred, alive = G, mask * counted[:, None]
         if multi_turn:  # align by generated-token rank: slot k holds each row's k-th token
             slot = generated_token_rank(mask)  # [B, T]; T (one extra, discarded column) off the mask
             aligned = [to_slots(x, slot) for x in (G, W, mask)]
             adv_slots = token_advantages(*aligned, group, counted, spec.leave_one_out, baseline_epsilon, tail)
             adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
+            centred, alive = aligned[0], aligned[2] * counted[:, None]
         else:
             adv = token_advantages(G, W, mask, group, counted, spec.leave_one_out, baseline_epsilon, tail)
         ret = G
-    return (std_scaled(adv, R, group, counted, epsilon) if spec.std_normalize else adv), ret
+    return (std_scaled(adv, centred, alive, group, counted, epsilon) if spec.std_normalize else adv), ret
 
 
-def std_scaled(adv, R, group, counted, epsilon: float) -> torch.Tensor:
-    """GRPO's ``A_i / (std_g(R) + ε)``, unbiased std over the group's counted rows; rows of groups of one (or
-    not counted) unchanged; 0 where ``std + ε = 0``. adv: [B, T]; R, group, counted: [B]."""
-    n = _group_size(group, counted)  # [B]
-    mean = group_mean(counted, R, group, False, 0.0)  # [B]
-    squared_deviations = group_mean(counted, (R - mean).square(), group, False, 0.0) * n  # Σ_j (R_j − mean)²
-    sd = (squared_deviations / (n - 1).clamp(min=1)).sqrt() + epsilon
-    scaled = torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 0.0)  # 1/(std + ε), or 0
-    return torch.where(((n >= 2) & (counted > 0))[:, None], adv * scaled[:, None], adv)
+def group_std(values, alive, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(σ, spread)``, both [B]: each row's group's pooled within-position unbiased std of ``values``, and
+    whether the group's alive values differ at some position. values: [B, P]; alive: [B, P] 0/1; group: [B].
+
+        σ_g² = Σ_p Σ_{j ∈ g} a_jp (x_jp − x̄_gp)² / Σ_p (n_gp − 1)₊,   n_gp = Σ_{j ∈ g} a_jp,
+
+    with ``x̄_gp`` the mean of the alive values at p. P = 1 (``x = R``, every counted row alive) is GRPO's std of
+    the returns. Token cells pass ``x = G_t`` (THEORY §3): with outcome reward and equal lengths every position
+    repeats ``R`` and σ is GRPO's. σ = 0 where no position has two alive rows. ``spread`` is decided exactly
+    (max > min), not from σ, which rounding can leave at ~1e-16 for equal values."""
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    sums = lambda x: x.new_zeros(num_groups, *x.shape[1:]).index_add_(0, group, x)  # noqa: E731  [G, P]
+    n = sums(alive)
+    mean = torch.where(n > 0, sums(alive * values) / n.clamp(min=1), 0.0)  # x̄_gp
+    squared_deviations = sums(alive * (values - mean[group]).square()).sum(-1)  # [G]
+    dof = (n - 1).clamp(min=0).sum(-1)  # [G]
+    sd = torch.where(dof > 0, squared_deviations / dof.clamp(min=1), 0.0).sqrt()
+    live, rows = alive > 0, group[:, None].expand_as(values)
+    high = torch.where(live, values, -torch.inf).new_full(n.shape, -torch.inf)
+    high = high.scatter_reduce_(0, rows, torch.where(live, values, -torch.inf), "amax")  # [G, P]
+    low = values.new_full(n.shape, torch.inf).scatter_reduce_(0, rows, torch.where(live, values, torch.inf), "amin")
+    return sd[group], (high > low).any(-1)[group]
+
+
+def std_scaled(adv, centred, alive, group, counted, epsilon: float) -> torch.Tensor:
+    """GRPO's ``A / (σ_g + ε)`` with σ_g = :func:`group_std` of the ``centred`` values (``R`` [B, 1] or ``G_t``
+    [B, T]) over their ``alive`` entries. Unchanged: rows not counted, groups of one, and groups with zero spread
+    (their centred values are equal, so ``A`` is 0 up to the ε of an energy-weighted baseline; dividing that
+    residue by ε would amplify it by 1/ε). adv: [B, T]; group, counted: [B]."""
+    sd, spread = group_std(centred, alive, group)
+    sd = sd + epsilon
+    scale = torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)  # 1/(σ + ε)
+    applies = (_group_size(group, counted) >= 2) & (counted > 0) & spread  # [B]
+    return torch.where(applies[:, None], adv * scale[:, None], adv)

@@ -77,6 +77,19 @@ def reference_advantages(
     # absolute position of a row's k-th valid token (multi-turn alignment)
     positions = [[t for t in range(T) if valid[i][t]] for i in range(B)]
 
+    def centred_columns(rows):  # what the baseline centres, one list of alive values per coordinate
+        if spec.granularity == "sequence":
+            return [[R[j] for j in rows]]
+        if multi_turn:
+            return [[G[j][positions[j][k]] for j in rows if k < lengths[j]] for k in range(T)]
+        return [[G[j][t] for j in rows if valid[j][t]] for t in range(T)]
+
+    def group_spread(rows):  # pooled within-coordinate unbiased std; do the alive values differ somewhere?
+        columns = centred_columns(rows)
+        squares = sum(sum((x - sum(c) / len(c)) ** 2 for x in c) for c in columns if c)
+        dof = sum(max(len(c) - 1, 0) for c in columns)
+        return (math.sqrt(squares / dof) if dof else 0.0), any(max(c) > min(c) for c in columns if c)
+
     adv = [[0.0] * T for _ in range(B)]
     ret = [[0.0] * T for _ in range(B)]
     for members in groups.values():
@@ -119,8 +132,8 @@ def reference_advantages(
                             b = 0.0
                     adv[i][t] = G[i][t] - b
             if std_norm and n >= 2 and counted[i]:
-                mean = sum(R[j] for j in rows) / n
-                std = math.sqrt(sum((R[j] - mean) ** 2 for j in rows) / (n - 1))
-                adv[i] = [a / (std + epsilon) if std + epsilon > 0 else 0.0 for a in adv[i]]
+                std, spread = group_spread(rows)
+                if spread and std + epsilon > 0:
+                    adv[i] = [a / (std + epsilon) for a in adv[i]]
     as_tensor = lambda x: torch.tensor(x, dtype=torch.float64).reshape(B, T)  # noqa: E731
     return as_tensor(adv), as_tensor(ret)

@@ -18,8 +18,8 @@ TOKEN = [n for n, e in ESTIMATORS.items() if e.granularity == "token"]
 # ulp(total) / (what remains) ≈ 1e-16 / 6e-6 (the smallest energy the strategies draw)
 # in relative terms; 1e-9 covers that with margin.
 TOL = dict(rtol=1e-9, atol=1e-9)
-# std_normalize divides by (std + ε); a group of equal rewards has std = 0 and amplifies
-# rounding by 1/ε. ε = 1e-4 bounds that amplification at 1e4 (well inside TOL).
+# std_normalize divides by (σ + ε); equal returns (zero spread) are left unscaled, but returns that differ by
+# rounding only would amplify rounding by 1/ε. ε = 1e-4 bounds that amplification at 1e4 (well inside TOL).
 _STD_EPS = {True: dict(epsilon=1e-4), False: {}}
 
 

@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import otb_ref.spec  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from otb_ref import ESTIMATORS  # noqa: E402
@@ -94,7 +95,7 @@ def debug_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
     """The dumped per-rank tensors of one step, reassembled in global row order."""
     parts = [torch.load(dump / f"step{step}_rank{rank}.pt") for rank in range(world)]
     order = torch.cat([p["rows"] for p in parts]).argsort()
-    return {key: torch.cat([p[key] for p in parts])[order] for key in ("advantages", "rewards", "response_ids")}
+    return {key: torch.cat([p[key] for p in parts])[order] for key in ("advantages", "rewards", "response_ids", "mask")}
 
 
 # --------------------------------------------------------------------------- command line
@@ -601,7 +602,8 @@ def test_token_budget_stops_the_run_and_shapes_the_schedule(tmp_path):
 
 
 def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
-    """--std-normalize on otb: same rollouts; within a group the advantages are the plain ones times 1/(std + eps)."""
+    """--std-normalize on otb: same rollouts; within a group the advantages are the plain ones times 1/(σ + eps),
+    σ the std of G_t pooled within positions (THEORY §3); groups with equal rewards are unchanged."""
     dumps = {}
     for name, extra in (("plain", []), ("std", ["--std-normalize"])):
         train.main(
@@ -619,12 +621,16 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
         dumps[name] = debug_rows(tmp_path / f"d{name}", 1, 1)
     assert torch.equal(dumps["plain"]["response_ids"], dumps["std"]["response_ids"])
     plain, scaled, rewards = dumps["plain"]["advantages"], dumps["std"]["advantages"], dumps["plain"]["rewards"]
+    mask = dumps["plain"]["mask"].double()
+    returns = rewards.double()[:, None] * mask  # outcome reward at the last token: G_t = R while alive
+    sd, spread = otb_ref.spec.group_std(returns, mask, torch.arange(64) // 8)
     moved = 0
     for group in range(8):
         rows = slice(8 * group, 8 * group + 8)
-        if float(rewards[rows].std()) == 0:
+        if not spread[8 * group]:
+            assert torch.equal(scaled[rows], plain[rows])
             continue
-        expected = plain[rows] / (float(rewards[rows].std()) + 1e-8)
+        expected = plain[rows] / (float(sd[8 * group]) + 1e-8)
         torch.testing.assert_close(scaled[rows], expected, rtol=1e-5, atol=1e-6)
         moved += 1
     assert moved >= 2

@@ -174,10 +174,26 @@ MUTATIONS = [
     ),
     Mutation(
         "Astd",
-        "otb_ref/advantages.py",
-        "/ (counts - 1).clamp(min=1)).sqrt()[group]",
-        "/ counts.clamp(min=1)).sqrt()[group]",
+        "otb_ref/spec.py",
+        "dof = (n - 1).clamp(min=0).sum(-1)  # [G]",
+        "dof = n.sum(-1)  # [G]",
         "group std with divisor N instead of N − 1",
+        "f7",
+    ),
+    Mutation(
+        "Astd_tok",
+        "otb_ref/advantages.py",
+        "scale = _std_scale(centred, alive, group, counted & (counts[group] >= 2), epsilon)  # [B]",
+        "scale = _std_scale(returns[:, :1], torch.ones_like(returns[:, :1]), group, counts[group] >= 2, epsilon)",
+        "token cells scaled by the std of R (issue 22's bug) instead of G_t pooled within positions",
+        "f7",
+    ),
+    Mutation(
+        "Astd_zero",
+        "otb_ref/advantages.py",
+        "return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
+        "return torch.where(applies & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
+        "zero spread divided by ε (issue 22's bug) instead of left unscaled",
         "f7",
     ),
     Mutation(
@@ -238,6 +254,7 @@ SUITE = [
     "tests/test_proxy.py",
     "tests/test_grad_norms.py",
     "tests/test_spec.py",
+    "tests/test_std_scaling.py",
     "tests/test_verl_parity.py",
 ]
 DESELECT = "not fsdp and not benchmark_command"
