@@ -1,0 +1,247 @@
+"""otb_ref's estimators inside verl, as a plugin: ``algorithm.adv_estimator=otb_ref.<name>`` (tested: verl 0.9.1).
+
+Installing otb_ref beside verl is enough: ``import verl`` loads the entry point ``otb_ref`` of the group
+``verl.plugins`` (pyproject.toml), which imports :mod:`otb_ref.integrations.verl_plugin` and so calls
+:func:`install`. Names: ``otb_ref.<estimator>`` for every estimator of :data:`otb_ref.ESTIMATORS`, with the
+suffixes ``_loo`` (leave-one-out) and ``_std`` (std scaling), e.g. ``otb_ref.otb_loo``. Options, all optional:
+``+algorithm.otb_ref.{leave_one_out,std_normalize,handle_zero_tail,multi_turn,epsilon}=...``; their defaults are
+:func:`otb_ref.compute_advantages`' (so ``otb_ref.otb`` equals verl's ``optimal_token_baseline`` with
+``+algorithm.otb_ref.handle_zero_tail=true``, verl's default there).
+
+What works in verl 0.9.1 (``trainer.use_v1`` picks the trainer; V1 is the default):
+
+==========================================  ===================================  ===========================
+estimators                                  legacy trainer (use_v1=false)        V1 trainer
+==========================================  ===================================  ===========================
+rewards only: grpo, rloo, opo,              yes                                  yes
+token_mean, token_length
+proxy: otb, sequence_proxy                  with ``actor.calculate_sum_pi_squared  no: V1 fetches no Σπ²
+                                            =true`` and ``model.use_fused_kernels
+                                            =false``
+exact: eob, otb_exact                       no: verl computes no per-response gradient norms
+==========================================  ===================================  ===========================
+
+Proxy estimators need Σπ² and old log-probs; verl passes them (and rollout IS weights) only to its own two OTB
+names. :func:`install` therefore wraps ``compute_advantage`` in both modules that hold it (``ray_trainer`` and
+``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, and wraps ``validate_config`` so that a
+configuration that cannot feed the chosen estimator fails before training starts, with one message naming the
+keys to set. The wraps are installed for the verl versions in :data:`TESTED_VERL` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+from otb_ref.advantages import compute_advantages
+from otb_ref.estimators import ESTIMATORS
+
+__all__ = ["PREFIX", "TESTED_VERL", "install", "resolve", "config_problems", "registered_names"]
+
+PREFIX = "otb_ref."
+TESTED_VERL = ("0.9.1",)
+ROUTE_KEYS = ("sum_pi_squared", "old_log_probs", "rollout_is_weights")  # what verl hands its own OTB
+OPTIONS = ("leave_one_out", "std_normalize", "handle_zero_tail", "multi_turn", "epsilon")
+SUFFIXES = {"_loo": "leave_one_out", "_std": "std_normalize"}
+_log = logging.getLogger(__name__)
+_route_installed = False
+
+EXACT_UNSUPPORTED = (
+    "verl computes no per-response gradient norms (||S||², ||S_t||²); use otb_ref.otb (the proxy) in verl, "
+    "or train.py --estimator {name} on a small model"
+)
+
+
+def registered_names() -> list[str]:
+    """Every name :func:`install` registers: ``otb_ref.<estimator>[_loo][_std]``."""
+    return [PREFIX + name + loo + std for name in ESTIMATORS for loo in ("", "_loo") for std in ("", "_std")]
+
+
+def _name_of(adv_estimator: Any) -> str:
+    return str(getattr(adv_estimator, "value", adv_estimator))
+
+
+def is_ours(adv_estimator: Any) -> bool:
+    return _name_of(adv_estimator).startswith(PREFIX)
+
+
+def resolve(adv_estimator: Any, config: Any = None) -> tuple[str, dict]:
+    """``(estimator name, compute_advantages options)`` of ``otb_ref.<name>[_loo][_std]`` and the optional
+    ``algorithm.otb_ref`` section of ``config``. Raises ValueError naming the config key that is wrong."""
+    name = _name_of(adv_estimator).removeprefix(PREFIX)
+    options: dict[str, Any] = {}
+    for suffix in ("_std", "_loo"):  # "_std" comes last when both are given
+        if name.endswith(suffix):
+            name, options[SUFFIXES[suffix]] = name.removesuffix(suffix), True
+    if name not in ESTIMATORS:
+        raise ValueError(
+            f"algorithm.adv_estimator: unknown otb_ref estimator {_name_of(adv_estimator)!r}; "
+            f"choose otb_ref.<name>[_loo][_std] with <name> one of {sorted(ESTIMATORS)}"
+        )
+    section = config.get("otb_ref", None) if config is not None and hasattr(config, "get") else None
+    for key in section.keys() if section is not None else ():
+        if key not in OPTIONS:
+            raise ValueError(f"algorithm.otb_ref.{key}: unknown option; the options are {list(OPTIONS)}")
+        value = section[key]
+        if key in options and value is not None and bool(value) != options[key]:
+            raise ValueError(
+                f"algorithm.otb_ref.{key}={value} contradicts the name {_name_of(adv_estimator)!r}; drop one"
+            )
+        if value is not None:
+            options[key] = float(value) if key == "epsilon" else bool(value)
+    return name, options
+
+
+def config_problems(config: Any) -> list[str]:
+    """What a full verl config (``DictConfig``) lacks to feed its ``otb_ref.*`` estimator, one line per key;
+    ``[]`` when it is fine or the estimator is not ours."""
+    adv_estimator = config.algorithm.adv_estimator
+    if not is_ours(adv_estimator):
+        return []
+    name, _ = resolve(adv_estimator, config.algorithm)
+    energy = ESTIMATORS[name].energy
+    if energy == "exact":
+        return [
+            f"algorithm.adv_estimator={_name_of(adv_estimator)}: unsupported: " + EXACT_UNSUPPORTED.format(name=name)
+        ]
+    if energy != "proxy":
+        return []
+    problems = []
+    if not _route_installed:
+        problems.append(f"verl {_verl_version()} is not a tested version {TESTED_VERL}: no route for Σπ²")
+    if config.trainer.get("use_v1", True):
+        problems.append("trainer.use_v1=false (verl's V1 trainer does not fetch sum_pi_squared for advantages)")
+    actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
+    if not actor.get("calculate_sum_pi_squared", False):
+        problems.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    if model.get("use_fused_kernels", False) or actor.get("use_fused_kernels", False):
+        problems.append("actor_rollout_ref.model.use_fused_kernels=false (verl computes no Σπ² in fused kernels)")
+    return problems
+
+
+def _missing_inputs_message(registered: str) -> str:
+    return (
+        f"{registered} needs sum_pi_squared and old_log_probs, which verl did not pass. Set "
+        "trainer.use_v1=false, actor_rollout_ref.actor.calculate_sum_pi_squared=true and "
+        "actor_rollout_ref.model.use_fused_kernels=false"
+        + ("" if _route_installed else f"; and use a tested verl {TESTED_VERL} (found {_verl_version()})")
+    )
+
+
+def _advantage_fn(registered: str):
+    """The function registered under ``registered`` (``otb_ref.<name>[_loo][_std]``), called by verl as
+    ``fn(token_level_rewards=, response_mask=, config=, index=uid, [reward_baselines=], [the ROUTE_KEYS])``."""
+
+    def otb_ref_advantage(
+        token_level_rewards,
+        response_mask,
+        index=None,
+        config=None,
+        sum_pi_squared=None,
+        old_log_probs=None,
+        rollout_is_weights=None,
+        **unused,
+    ):
+        name, options = resolve(registered, config)
+        energy = ESTIMATORS[name].energy
+        if energy == "exact":
+            raise ValueError(f"{registered}: unsupported: " + EXACT_UNSUPPORTED.format(name=name))
+        if index is None:
+            raise ValueError(f"{registered}: index: verl passed no uid; groups are the responses of one uid")
+        inputs = {}
+        if energy == "proxy":
+            if sum_pi_squared is None or old_log_probs is None:
+                raise ValueError(_missing_inputs_message(registered))
+            inputs = dict(old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared)
+        if energy in ("length", "proxy") and rollout_is_weights is not None:
+            inputs["rollout_is_weights"] = rollout_is_weights  # per-token energies only (§4)
+        return compute_advantages(name, token_level_rewards, response_mask, index, **inputs, **options)
+
+    otb_ref_advantage.__qualname__ = otb_ref_advantage.__name__ = registered.replace(".", "_")
+    return otb_ref_advantage
+
+
+def _with_proxy_route(original):
+    """``compute_advantage`` that hands ``otb_ref.*`` estimators the ROUTE_KEYS present in ``data.batch`` (verl
+    does this for its own OTB only); every other estimator goes to verl's function unchanged."""
+    if getattr(original, "_otb_ref_route", False):
+        return original
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_advantage(data, adv_estimator, *args, **kwargs):
+        if not is_ours(adv_estimator):
+            return original(data, adv_estimator, *args, **kwargs)
+        from verl.trainer.ppo import core_algos
+        from verl.trainer.ppo.ray_trainer import compute_response_mask
+
+        config = signature.bind(data, adv_estimator, *args, **kwargs).arguments.get("config")
+        if "response_mask" not in data.batch.keys():
+            data.batch["response_mask"] = compute_response_mask(data)
+        inputs = {key: data.batch[key] for key in ROUTE_KEYS if key in data.batch.keys()}
+        if "uid" in data.non_tensor_batch:
+            inputs["index"] = data.non_tensor_batch["uid"]
+        fn = core_algos.get_adv_estimator_fn(_name_of(adv_estimator))
+        advantages, returns = fn(
+            token_level_rewards=data.batch["token_level_rewards"],
+            response_mask=data.batch["response_mask"],
+            config=config,
+            **inputs,
+        )
+        data.batch["advantages"], data.batch["returns"] = advantages, returns
+        return data
+
+    compute_advantage._otb_ref_route = True
+    return compute_advantage
+
+
+def _with_config_check(original):
+    """``validate_config`` that also refuses an ``otb_ref.*`` estimator its configuration cannot feed."""
+    if getattr(original, "_otb_ref_check", False):
+        return original
+
+    @functools.wraps(original)
+    def validate_config(config, *args, **kwargs):
+        problems = config_problems(config)  # first: the cheapest check, and the one a user of ours most needs
+        if problems:
+            raise ValueError(
+                f"algorithm.adv_estimator={_name_of(config.algorithm.adv_estimator)} cannot run with this config; "
+                "set: " + "; ".join(problems)
+            )
+        return original(config, *args, **kwargs)
+
+    validate_config._otb_ref_check = True
+    return validate_config
+
+
+def _verl_version() -> str:
+    import verl
+
+    return getattr(verl, "__version__", "unknown")
+
+
+def install() -> None:
+    """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
+    ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``. Idempotent."""
+    global _route_installed
+    from verl.trainer.ppo import core_algos
+
+    for registered in registered_names():
+        if registered not in core_algos.ADV_ESTIMATOR_REGISTRY:
+            core_algos.register_adv_est(registered)(_advantage_fn(registered))
+    if _verl_version() not in TESTED_VERL:
+        _log.warning("otb_ref: verl %s is untested %s: proxy estimators get no Σπ²", _verl_version(), TESTED_VERL)
+        return
+    try:
+        import verl.utils.config as config_module
+        from verl.trainer.ppo import ray_trainer
+        from verl.trainer.ppo.v1 import utils as v1_utils
+    except ImportError as error:  # e.g. a verl installed without its trainer's dependencies
+        _log.warning("otb_ref: verl's trainer does not import (%s): proxy estimators get no Σπ²", error)
+        return
+    config_module.validate_config = _with_config_check(config_module.validate_config)
+    for module in (ray_trainer, v1_utils):
+        module.compute_advantage = _with_proxy_route(module.compute_advantage)
+    _route_installed = True
