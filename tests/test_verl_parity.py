@@ -1,8 +1,7 @@
 """Side by side with the authors' implementation (verl 0.9.1, installed by .ci/run).
 
 The verl functions are run, not copied: this file imports them. Skipped with a
-reason where verl is not installed (`pip install -r requirements-verl-deps.txt`
-then `pip install --no-deps -r requirements-verl.txt`).
+reason where verl is not installed (`pip install -e ".[verl]"`).
 """
 
 import numpy as np
@@ -16,7 +15,7 @@ import otb_ref
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl not installed (requirements-verl.txt)")
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl not installed (pip install -e .[verl])")
 
 # fp64: the same arithmetic up to summation order. fp32: the issue's 1e-6 contract.
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-6, atol=1e-6)}

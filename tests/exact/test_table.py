@@ -4,6 +4,7 @@ The default table takes about 6 s on 2 CPU cores (20-30 s on a loaded machine), 
 ``docs/exact_table.md`` is regenerated here with the default settings, not a reduced one.
 """
 
+import ast
 import re
 import subprocess
 import sys
@@ -121,15 +122,19 @@ def _cited_test_ids(text: str) -> set[str]:
 
 
 def test_cited_test_ids_exist():
-    """The tests named in docs/THEORY.md §7, the README and proofs/ exist (pytest collects each of them)."""
+    """The tests named in docs/THEORY.md §7, the README and proofs/ exist: each file defines each named test function.
+
+    Read from the source (ast), not collected: a module that skips where an optional extra (verl, TRL) is missing
+    still defines its tests."""
     sources = [ROOT / "docs" / "THEORY.md", README, *sorted((ROOT / "proofs").glob("*.md"))]
     ids = set().union(*(_cited_test_ids(p.read_text(encoding="utf-8")) for p in sources))
     assert len(ids) > 25, "the citation format changed"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *sorted(ids)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    missing = []
+    for test_id in sorted(ids):
+        path, name = test_id.split("::")[0], test_id.split("::")[-1].split("[")[0]
+        file = ROOT / path
+        tree = ast.parse(file.read_text(encoding="utf-8")) if file.is_file() else None
+        defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} if tree else set()
+        if name not in defined:
+            missing.append(test_id)
+    assert not missing, missing

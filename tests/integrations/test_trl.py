@@ -83,7 +83,11 @@ def _recording(trainer):
     return records
 
 
-@pytest.mark.parametrize("config", [{}, {"num_iterations": 2}], ids=["added pass", "TRL's pass"])
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"num_iterations": 2}, {"gradient_accumulation_steps": 2}],
+    ids=["added pass", "TRL's pass", "gradient_accumulation=2"],
+)
 @pytest.mark.parametrize("leave_one_out", [False, True])
 def test_otb_advantages_equal_compute_advantages_and_vary_along_t(tmp_path, config, leave_one_out):
     """The [B, T] advantages handed to the loss are compute_advantages("otb") of the rollout, with log π and Σπ²
@@ -107,7 +111,17 @@ def test_otb_advantages_equal_compute_advantages_and_vary_along_t(tmp_path, conf
         varies |= bool((spread[mask.sum(1) > 1] > 1e-4).any())
     assert varies
     extra = _history(trainer, "otb/extra_pass_seconds")
-    assert (len(extra) > 0) == (config == {})  # no second pass where TRL runs its own
+    assert (len(extra) > 0) == ("num_iterations" not in config)  # no second pass where TRL runs its own
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_token_advantages_train_with_every_per_token_loss(tmp_path, loss_type):
+    """TRL's other per-token losses take the [B, T] advantages: a step runs and moves the weights."""
+    trainer = _trainer(OTBGRPOTrainer, tmp_path, loss_type=loss_type, max_steps=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert math.isfinite(_history(trainer, "grad_norm")[0])
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
 def test_trls_sum_pi_squared_equals_otb_refs():
