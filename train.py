@@ -83,6 +83,7 @@ class Config:
     top_p: float = _flag(1.0, "nucleus sampling mass")
     estimator: str = _flag("otb", "advantage estimator", tuple(ESTIMATORS))
     leave_one_out: bool | None = _flag(None, "leave-one-out baselines (default: the estimator's; only rloo has them)")
+    no_baseline: bool = _flag(False, "control: every response is its own group, so advantage = return (REINFORCE)")
     std_normalize: bool | None = _flag(
         None, "divide advantages by the group's reward std (default: the estimator's; only grpo does)"
     )
@@ -592,7 +593,7 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
     attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
     return Batch(
         problems=[problems[p] for p in run.prompt_positions],
-        group=torch.tensor([p for p in run.prompt_positions for _ in range(n)], device=env.device),
+        group=_group_ids(run, n),
         sequences=torch.cat([prompt_ids, out.response_ids], dim=1),
         attention=attention,
         positions=position_ids_from_mask(attention),
@@ -600,6 +601,13 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
         mask=out.response_mask,
         finished=out.finished,
     )
+
+
+def _group_ids(run: Run, n: int) -> torch.Tensor:
+    """Each response's group: its prompt's position (N responses per group), or its own row with --no-baseline."""
+    if run.cfg.no_baseline:  # distinct ids across ranks: the global row numbers
+        return run.global_rows.to(run.env.device)
+    return torch.tensor([p for p in run.prompt_positions for _ in range(n)], device=run.env.device)
 
 
 def score(run: Run, batch: Batch) -> None:
@@ -731,6 +739,7 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
     rows_per_mini, updates = len(run.global_rows) // cfg.mini_batches, cfg.mini_batches * cfg.epochs
     totals = dict.fromkeys(("loss", "grad_norm", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
     skipped, lr = 0, cfg.lr
+    before = [_local(p).detach().clone() for p in run.policy.parameters()]
     for _ in range(cfg.epochs):
         for k in range(cfg.mini_batches):
             lr = learning_rate(cfg, state["updates"], state["tokens"], run.schedule_steps)
@@ -755,7 +764,17 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             state["updates"] += 1
             for key, value in (*sums.items(), ("grad_norm", grad_norm)):
                 totals[key] += value
-    return {**{key: value / updates for key, value in totals.items()}, "skipped": skipped, "lr": lr}
+    change = sum(
+        float((_local(p).detach() - p0).double().square().sum()) for p, p0 in zip(run.policy.parameters(), before)
+    )
+    update_norm = parallel.all_reduce_named({"change": change})["change"] ** 0.5  # ||θ_after − θ_before||, global
+    return {**{key: value / updates for key, value in totals.items()}, "skipped": skipped, "lr": lr,
+            "update_norm": update_norm}  # fmt: skip
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP2-sharded) parameter."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 
 
 def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, state: dict) -> dict:
@@ -791,6 +810,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "entropy_renyi2": total["neg_log_sum_pi_squared"] / generated,
         "loss": stats["loss"],
         "grad_norm": grad_norm,
+        "update_norm": stats["update_norm"],
         "lr": stats["lr"],
         "clip_fraction": stats["clip_fraction"],
         "approx_kl": stats["approx_kl"],

@@ -36,6 +36,7 @@ REQUIRED_KEYS = {
     "response_length_max",
     "loss",
     "grad_norm",
+    "update_norm",
     "lr",
     "variance_proxy/proxy1_signal_strength",
     "variance_proxy/proxy2_total_power",
@@ -684,3 +685,17 @@ def test_character_tokenizer_of_a_qwen2_checkpoint_keeps_spaces(tmp_path):
     tokenizer = train.load_tokenizer(str(model))
     assert train.encode_prompt(tokenizer, "37  =") == CharTokenizer().encode("37  =")
     assert tokenizer.decode([5, 9, 14, 1, 0], skip_special_tokens=True) == "37 "
+
+
+def test_no_baseline_control_gives_the_return_and_update_norm_is_the_parameter_change(tmp_path):
+    """--no-baseline: every response its own group, so the advantage is the return (outcome reward on every
+    generated token); a step that has a gradient reports a positive update_norm."""
+    run, dump = tmp_path / "run", tmp_path / "dump"
+    flags = [*SMALL, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--no-baseline"]
+    train.main([*flags, "--output-dir", str(run), "--debug-dump", str(dump)])
+    rows = debug_rows(dump, 1, 1)
+    assert float(rows["rewards"].abs().sum()) > 0  # some response scored, so the test is not vacuous
+    expected = rows["rewards"][:, None] * rows["mask"].to(rows["advantages"].dtype)
+    torch.testing.assert_close(rows["advantages"], expected)
+    record = metrics(run)[0]
+    assert record["grad_norm"] > 0 and record["update_norm"] > 0

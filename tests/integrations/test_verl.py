@@ -12,13 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from otb_ref import ESTIMATORS, compute_advantages
 
 ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl not installed (pip install -e .[verl])")
 
 import verl  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo.v1 import utils as v1_utils  # noqa: E402
