@@ -739,7 +739,9 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
     rows_per_mini, updates = len(run.global_rows) // cfg.mini_batches, cfg.mini_batches * cfg.epochs
     totals = dict.fromkeys(("loss", "grad_norm", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
     skipped, lr = 0, cfg.lr
-    before = [_local(p).detach().clone() for p in run.policy.parameters()]
+    # The optimizer's parameters: FSDP2's sharded DTensors (the module's own may be unsharded between passes).
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [_local(p).detach().clone() for p in trained]
     for _ in range(cfg.epochs):
         for k in range(cfg.mini_batches):
             lr = learning_rate(cfg, state["updates"], state["tokens"], run.schedule_steps)
@@ -764,9 +766,8 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             state["updates"] += 1
             for key, value in (*sums.items(), ("grad_norm", grad_norm)):
                 totals[key] += value
-    change = sum(
-        float((_local(p).detach() - p0).double().square().sum()) for p, p0 in zip(run.policy.parameters(), before)
-    )
+    squares = [(_local(p).detach() - p0).double().square().sum() for p, p0 in zip(trained, before)]
+    change = float(torch.stack(squares).sum()) if squares else 0.0  # one host read
     update_norm = parallel.all_reduce_named({"change": change})["change"] ** 0.5  # ||θ_after − θ_before||, global
     return {**{key: value / updates for key, value in totals.items()}, "skipped": skipped, "lr": lr,
             "update_norm": update_norm}  # fmt: skip

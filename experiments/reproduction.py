@@ -1,21 +1,39 @@
-"""Does OTB with N = 4 match GRPO with N = 32 at fewer generated tokens? Equal-budget runs from a warm start.
+"""Does OTB with N = 4 reach what GRPO with N = 32 reaches with ≥ 65% fewer generated tokens? (issue 22, part 2)
 
-    python experiments/reproduction.py            # warm start, 6 arms x 3 seeds, results/reproduction.md + PNGs
-    python experiments/reproduction.py --quick    # seconds: tiny warm start, 2 arms, 1 seed (the test suite)
+    python experiments/reproduction.py                    # every arm x seed not yet recorded, then the report
+    python experiments/reproduction.py --commit           # ... and `git commit` each run's record as it finishes
+    python experiments/reproduction.py --report-only      # the report from the committed records alone
+    python experiments/reproduction.py --quick            # seconds: tiny warm start, 2 steps (the test suite)
 
-Setting (docs/EXPERIMENTS.md): the ``copy_exact`` task with answers of 64-80 digits (responses 65-81 tokens,
-0/1 reward: one wrong digit scores 0), from the supervised warm start of ``experiments/warm_start.py`` (sampled
-reward about 0.5: competent, imperfect). Every arm runs ``train.py`` on-policy with the same prompts per step,
-loss aggregation, clipping, learning rate and schedule; only the estimator, N and std scaling differ.
+Design and verdict rule, fixed before any run (docs/EXPERIMENTS.md says the same):
 
-Fairness rules, fixed before any run: one learning rate for every arm (1e-4, the warm start's 3e-3 / 30,
-not tuned on any arm); no warmup; the cosine runs on generated tokens to the same ``--token-budget`` for every
-arm, so an arm with N = 32 takes 8x fewer steps than one with N = 4; std scaling is ablated (OTB N = 4 with and
-without it), because GRPO's division by the group std changes the gradient's scale.
+* **Task and start.** ``copy_exact`` with answers of 64-80 digits (responses 65-81 tokens; reward 1 only for the
+  exact answer + EOS), from the supervised warm start of ``experiments/warm_start.py`` (width 128, stopped at the
+  first evaluation with sampled reward ≥ 0.3).
+* **Equal steps, no budget-dependent schedule.** Every arm runs :data:`STEPS` optimizer steps (≥ the 173 the N = 4
+  arms took before), on-policy, 4 prompts per step, one constant learning rate 1e-4 (the warm start's 3e-3 / 30,
+  not tuned on any arm; no warmup, ``--min-lr-ratio 1``), token-mean loss, clip 0.2, gradient clip 1.0.
+* **Arms.** ``grpo_n32`` (the reference), ``otb_n4``, ``grpo_n4``, and two controls: ``reinforce_n4`` (no baseline,
+  4 responses per prompt: ``--no-baseline``) and ``otb_loo_n4`` (leave-one-out OTB: include-self OTB is biased at
+  small N, F7). Seeds 0-4.
+* **Curves.** Reward against generated tokens is a trailing mean over the last :data:`WINDOW_TOKENS` generated
+  tokens (about 256 responses for every arm, so N = 4 and N = 32 are smoothed alike).
+* **Reference level.** τ = the mean over seeds of GRPO N = 32's reward over its last :data:`PLATEAU_STEPS` steps.
+  It is at its plateau if that mean exceeds the mean of the :data:`PLATEAU_STEPS` steps before by less than δ; the
+  report says which.
+* **Metric.** T = generated tokens when the trailing curve first reaches τ − δ, δ = :data:`DELTA`. A run that never
+  does is censored (reported as such): a censored GRPO N = 32 run counts its last token count (understating the
+  saving), a censored run of another arm counts as never reaching it (T = ∞). Saving = 1 − mean T(otb_n4) /
+  mean T(grpo_n32), with a 95% bootstrap interval over seeds (each arm resampled, 10,000 draws, seed 0).
+* **Verdict.** An arm *meets the claim* when the lower end of its saving's interval is ≥ 0.65.
+  *Reproduced*: otb_n4 meets it, otb_n4 reaches τ − δ in fewer tokens than grpo_n4 in most paired seeds
+  (> half), and reinforce_n4 does not meet it. *Not attributable to OTB*: otb_n4 meets it and so does
+  reinforce_n4 (the task, not the baseline, made the saving). *Partially*: the saving's point estimate is ≥ 0.65
+  but its interval reaches below, the other two conditions holding. *Not reproduced*: otherwise. The leave-one-out
+  control's saving and its paired comparison with otb_n4 are reported beside it.
 
-Reported per arm (mean and spread over seeds): reward vs generated tokens (a trailing window of
-``SMOOTH_TOKENS`` tokens, the same for every arm), tokens to reach ``TARGET`` reward, final reward (last 10% of
-the budget), peak reward, gradient-norm maximum and spikes, entropy. The verdict rule is stated in the report.
+Each finished run leaves a compact record (per step: tokens, reward, gradient norm, update size, KL, entropy) in
+``results/reproduction/``; the report reads only those records, so a later session resumes where one stopped.
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -36,58 +55,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import warm_start  # noqa: E402
-from common import write_report  # noqa: E402
+from common import machine_name, write_report  # noqa: E402
 
 TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]
 QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]  # --quick (tests)
 ARMS = {  # name -> train.py flags
     "grpo_n32": ["--estimator", "grpo", "--group-size", "32"],
-    "grpo_n4": ["--estimator", "grpo", "--group-size", "4"],
     "otb_n4": ["--estimator", "otb", "--group-size", "4"],
-    "otb_n4_std": ["--estimator", "otb", "--group-size", "4", "--std-normalize"],
-    "rloo_n4": ["--estimator", "rloo", "--group-size", "4"],
-    "otb_n32": ["--estimator", "otb", "--group-size", "32"],
+    "grpo_n4": ["--estimator", "grpo", "--group-size", "4"],
+    "reinforce_n4": ["--estimator", "rloo", "--group-size", "4", "--no-baseline"],
+    "otb_loo_n4": ["--estimator", "otb", "--group-size", "4", "--leave-one-out"],
 }
+SEEDS = [0, 1, 2, 3, 4]
+STEPS = 200
 # Run bookkeeping shared with experiments/stability.py: no warmup, logging and saving, CPU.
 RUN_FLAGS = [
-    "--warmup-steps",
-    "0",
-    "--micro-batch-size",
-    "64",
-    "--save-every",
-    "0",
-    "--keep-checkpoints",
-    "1",
-    "--sample-every",
-    "50",
-    "--device",
-    "cpu",
-]
-COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", *RUN_FLAGS]
-TARGET = 0.8
-SMOOTH_TOKENS = 20_000
-SPIKE_FACTOR = 5.0  # a gradient-norm spike: above this multiple of the run's median
+    "--warmup-steps", "0", "--micro-batch-size", "64", "--save-every", "0", "--keep-checkpoints", "1",
+    "--sample-every", "50", "--device", "cpu",
+]  # fmt: skip
+COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", "--min-lr-ratio", "1", *RUN_FLAGS]
+WINDOW_TOKENS = 20_000
+PLATEAU_STEPS = 40
+DELTA = 0.02
+CLAIM = 0.65
+COLUMNS = ["step", "tokens", "generated_tokens", "reward_mean", "grad_norm", "update_norm", "approx_kl", "entropy"]
 
 
-def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: list[str]) -> Path:
-    """One train.py run from ``warm`` with ``flags``, into ``runs/<name>_seed<seed>``; skipped when finished."""
+def run_arm(name: str, seed: int, steps: int, warm: Path, runs: Path, flags: list[str]) -> Path:
+    """One train.py run from ``warm`` with ``flags`` into ``runs/<name>_seed<seed>`` (an unfinished one restarts)."""
     out = runs / f"{name}_seed{seed}"
-    if (out / "metrics.jsonl").exists() and (out / "checkpoints").exists():
-        return out
     shutil.rmtree(out, ignore_errors=True)
-    command = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--model",
-        str(warm),
-        *flags,
-        "--token-budget",
-        str(budget),
-        "--seed",
-        str(seed),
-        "--output-dir",
-        str(out),
-    ]
+    command = [sys.executable, str(ROOT / "train.py"), "--model", str(warm), *flags, "--steps", str(steps),
+               "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     log = runs / f"{name}_seed{seed}.log"  # a file, not a pipe: the run survives its driver
     runs.mkdir(parents=True, exist_ok=True)
@@ -98,128 +97,195 @@ def run_arm(name: str, seed: int, budget: int, warm: Path, runs: Path, flags: li
     return out
 
 
-def smoothed(records: list[dict], window: int) -> list[tuple[int, float]]:
-    """(tokens, mean reward of the responses generated in the last ``window`` tokens) after every step."""
-    points = []
-    for i, record in enumerate(records):
-        total, weight = 0.0, 0
-        for earlier in reversed(records[: i + 1]):
-            if weight and record["tokens"] - earlier["tokens"] >= window:
-                break
-            total += earlier["reward_mean"] * earlier["generated_tokens"]
-            weight += earlier["generated_tokens"]
-        points.append((record["tokens"], total / weight))
-    return points
+def write_record(name: str, seed: int, run: Path, flags: list[str], seconds: float, records_dir: Path) -> Path:
+    """The run's compact record ``<records_dir>/<name>_seed<seed>.json`` (written whole, then renamed)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    record = {
+        "arm": name, "seed": seed, "flags": flags, "machine": machine_name(), "wall_seconds": round(seconds),
+        "columns": COLUMNS, "steps": [[row.get(key) for key in COLUMNS] for row in rows],
+    }  # fmt: skip
+    records_dir.mkdir(parents=True, exist_ok=True)
+    path = records_dir / f"{name}_seed{seed}.json"
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    partial.rename(path)
+    return path
 
 
-def run_summary(records: list[dict], budget: int) -> dict:
-    curve = smoothed(records, SMOOTH_TOKENS)
-    reached = [tokens for tokens, reward in curve if reward >= TARGET]
-    tail = [r for r in records if r["tokens"] >= 0.9 * budget] or records[-1:]
-    norms = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
-    median = statistics.median(norms)
-    return {
-        "steps": records[-1]["step"],
-        "tokens": records[-1]["tokens"],
-        "start_reward": records[0]["reward_mean"],
-        "final_reward": sum(r["reward_mean"] * r["generated_tokens"] for r in tail)
-        / sum(r["generated_tokens"] for r in tail),
-        "peak_reward": max(reward for _, reward in curve),
-        "tokens_to_target": reached[0] if reached else None,
-        "grad_norm_max": max(norms),
-        "grad_norm_median": median,
-        "grad_norm_spikes": sum(n > SPIKE_FACTOR * median for n in norms),
-        "entropy_final": tail[-1]["entropy"],
-        "zero_variance_final": tail[-1]["zero_variance_group_fraction"],
-    }
+def commit(path: Path, message: str) -> None:
+    """``git add`` and ``git commit`` one record (retried while another git process holds the index)."""
+    for _ in range(30):
+        added = subprocess.run(["git", "add", str(path)], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "commit", "-m", message, "--", str(path)], cwd=ROOT, capture_output=True)
+        if added.returncode == 0 and done.returncode == 0:
+            return
+        time.sleep(2)
+    print(f"could not commit {path}", file=sys.stderr)
 
 
-def mean_spread(values: list[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    if not known:
-        return "never"
-    text = f"{statistics.mean(known):.3g}"
-    text += f" ± {statistics.stdev(known):.2g}" if len(known) > 1 else ""
-    return text + (f" ({len(known)}/{len(values)} reached)" if len(known) < len(values) else "")
-
-
-def load_runs(runs: dict[tuple[str, int], Path], budget: int) -> dict[str, list[dict]]:
-    """arm -> [per-seed summary with its records]."""
-    by_arm: dict[str, list[dict]] = {}
-    for (name, seed), out in sorted(runs.items()):
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        by_arm.setdefault(name, []).append({"seed": seed, "records": records, **run_summary(records, budget)})
+def load_records(records_dir: Path) -> dict[str, dict[int, list[dict]]]:
+    """arm -> seed -> per-step rows (dicts of :data:`COLUMNS`), from the committed records."""
+    by_arm: dict[str, dict[int, list[dict]]] = {}
+    for path in sorted(records_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        rows = [dict(zip(record["columns"], values)) for values in record["steps"]]
+        by_arm.setdefault(record["arm"], {})[record["seed"]] = rows
     return by_arm
 
 
-def table(by_arm: dict[str, list[dict]]) -> list[str]:
-    keys = [
-        "steps",
-        "start_reward",
-        "final_reward",
-        "peak_reward",
-        "tokens_to_target",
-        "grad_norm_max",
-        "grad_norm_spikes",
-        "entropy_final",
-        "zero_variance_final",
-    ]
-    lines = ["| arm | seeds | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
-    for name, seeds in by_arm.items():
-        cells = [mean_spread([s[k] for s in seeds]) for k in keys]
-        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(cells) + " |")
+def smoothed(rows: list[dict], window: int) -> list[tuple[int, float]]:
+    """(tokens, mean reward of the responses generated in the last ``window`` tokens) after every step."""
+    points = []
+    for i, row in enumerate(rows):
+        total, weight = 0.0, 0
+        for earlier in reversed(rows[: i + 1]):
+            if weight and row["tokens"] - earlier["tokens"] >= window:
+                break
+            total += earlier["reward_mean"] * earlier["generated_tokens"]
+            weight += earlier["generated_tokens"]
+        points.append((row["tokens"], total / weight))
+    return points
+
+
+def step_mean(rows: list[dict]) -> float:
+    """Mean reward per response over ``rows`` (weighted by generated tokens, as the curves are)."""
+    return sum(r["reward_mean"] * r["generated_tokens"] for r in rows) / sum(r["generated_tokens"] for r in rows)
+
+
+def window(rows: list[dict]) -> int:
+    """PLATEAU_STEPS, or half the run when it is shorter than two windows (--quick)."""
+    return min(PLATEAU_STEPS, max(1, len(rows) // 2))
+
+
+def reference_level(runs: dict[int, list[dict]]) -> dict:
+    """τ (mean over seeds of the last PLATEAU_STEPS steps) and whether the reference had plateaued."""
+    last = [step_mean(rows[-window(rows) :]) for rows in runs.values()]
+    before = [step_mean(rows[-2 * window(rows) : -window(rows)]) for rows in runs.values()]
+    tau, gain = statistics.mean(last), statistics.mean(last) - statistics.mean(before)
+    return {"tau": tau, "gain_last_window": gain, "plateau": gain < DELTA}
+
+
+def tokens_to(rows: list[dict], level: float) -> tuple[int, bool]:
+    """(generated tokens when the trailing curve first reaches ``level``, reached?); censored at the last step."""
+    for tokens, reward in smoothed(rows, WINDOW_TOKENS):
+        if reward >= level:
+            return tokens, True
+    return rows[-1]["tokens"], False
+
+
+def saving_interval(ours: list[int], reference: list[int], draws: int = 10_000) -> tuple[float, float, float]:
+    """``1 − mean(ours) / mean(reference)`` and its 95% bootstrap interval (seeds resampled per arm)."""
+    rng = random.Random(0)
+    point = 1 - statistics.mean(ours) / statistics.mean(reference)
+    samples = sorted(
+        1 - statistics.mean(rng.choices(ours, k=len(ours))) / statistics.mean(rng.choices(reference, k=len(reference)))
+        for _ in range(draws)
+    )
+    return point, samples[int(0.025 * draws)], samples[int(0.975 * draws) - 1]
+
+
+def analyse(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
+    """Every number the verdict uses, from the records."""
+    level = reference_level(by_arm["grpo_n32"])
+    target = level["tau"] - DELTA
+    hits = {arm: {seed: tokens_to(rows, target) for seed, rows in runs.items()} for arm, runs in by_arm.items()}
+    # Censoring, conservatively: a reference run that never reaches the target counts its last token count (a lower
+    # bound on its T, so the saving is understated); another arm's unreached run counts as never (T = inf).
+    reference = [tokens for tokens, _ in hits["grpo_n32"].values()]
+    savings = {
+        arm: saving_interval([tokens if reached else math.inf for tokens, reached in arm_hits.values()], reference)
+        for arm, arm_hits in hits.items()
+        if arm != "grpo_n32"
+    }
+    return {**level, "target": target, "hits": hits, "savings": savings}
+
+
+def ahead(hits: dict, arm: str, other: str) -> tuple[int, int]:
+    """(seeds where ``arm`` reached the target in fewer tokens than ``other``, paired seeds)."""
+    seeds = sorted(set(hits.get(arm, {})) & set(hits.get(other, {})))
+    wins = 0
+    for seed in seeds:
+        (t_arm, reached_arm), (t_other, reached_other) = hits[arm][seed], hits[other][seed]
+        wins += reached_arm and (not reached_other or t_arm < t_other)
+    return wins, len(seeds)
+
+
+def verdict(analysis: dict) -> str:
+    savings, hits = analysis["savings"], analysis["hits"]
+    needed = {"otb_n4", "grpo_n4", "reinforce_n4"}
+    if not needed <= set(savings):
+        return f"Verdict: not computed yet (records missing for {sorted(needed - set(savings))})."
+    meets = {arm: low >= CLAIM for arm, (_, low, _) in savings.items()}
+    wins, paired = ahead(hits, "otb_n4", "grpo_n4")
+    majority = wins > paired / 2
+    if meets["otb_n4"] and meets["reinforce_n4"]:
+        word = "not attributable to OTB (the no-baseline control meets the claim too)"
+    elif meets["otb_n4"] and majority:
+        word = "reproduced"
+    elif savings["otb_n4"][0] >= CLAIM and majority and not meets["reinforce_n4"]:
+        word = "partially reproduced (the saving's point estimate meets the claim, its interval does not)"
+    else:
+        word = "not reproduced"
+    point, low, high = savings["otb_n4"]
+    return (
+        f"Verdict: **{word}**. OTB N=4 saving vs GRPO N=32: {point:.2f} (95% interval {low:.2f} to {high:.2f}); "
+        f"OTB N=4 ahead of GRPO N=4 in {wins} of {paired} paired seeds."
+    )
+
+
+def _cell(values: list[float], digits: str = ".3g") -> str:
+    if not values:
+        return "—"
+    text = format(statistics.mean(values), digits)
+    return text + (f" ± {format(statistics.stdev(values), '.2g')}" if len(values) > 1 else "")
+
+
+def table(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None) -> list[str]:
+    head = "| arm | seeds | steps | start reward | final reward (last 40 steps) | tokens to τ − δ (reached) | saving vs grpo_n32 [95%] | median grad norm | median update norm | median KL |"  # noqa: E501
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in [a for a in ARMS if a in by_arm]:
+        runs = list(by_arm[arm].values())
+        median = lambda key: [statistics.median(r[key] for r in rows if r[key] is not None) for rows in runs]  # noqa: E731
+        to_target, saving = "—", "—"
+        if analysis is not None:
+            hits = list(analysis["hits"][arm].values())
+            to_target = f"{_cell([t for t, _ in hits], '.0f')} ({sum(r for _, r in hits)}/{len(hits)})"
+            if arm in analysis["savings"]:
+                point, low, high = analysis["savings"][arm]
+                saving = f"{point:.2f} [{low:.2f}, {high:.2f}]"
+        cells = [
+            str(len(runs)), _cell([rows[-1]["step"] for rows in runs], ".0f"),
+            _cell([rows[0]["reward_mean"] for rows in runs]),
+            _cell([step_mean(rows[-window(rows) :]) for rows in runs]),
+            to_target, saving, _cell(median("grad_norm")), _cell(median("update_norm")), _cell(median("approx_kl")),
+        ]  # fmt: skip
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines
 
 
-def verdict(by_arm: dict[str, list[dict]]) -> str:
-    """The rule written in the report, applied to OTB N=4 vs GRPO N=32 (and GRPO N=4 as the control)."""
-    if not {"otb_n4", "grpo_n32", "grpo_n4"} <= set(by_arm):
-        return "Verdict: not computed (the otb_n4, grpo_n32 and grpo_n4 arms are all needed)."
-    final = {k: [s["final_reward"] for s in v] for k, v in by_arm.items()}
-    mean = {k: statistics.mean(v) for k, v in final.items()}
-    spread = {k: statistics.stdev(v) if len(v) > 1 else 0.0 for k, v in final.items()}
-    matches = mean["otb_n4"] >= mean["grpo_n32"] - max(spread["otb_n4"], spread["grpo_n32"])
-    beats_control = mean["otb_n4"] > mean["grpo_n4"] + max(spread["otb_n4"], spread["grpo_n4"])
-    numbers = ", ".join(f"{k} {mean[k]:.3f} ± {spread[k]:.3f}" for k in ("otb_n4", "grpo_n32", "grpo_n4"))
-    if matches and beats_control:
-        word = "reproduced"
-    elif matches:
-        word = "partially reproduced (OTB N=4 matches GRPO N=32 at equal tokens, but so does GRPO N=4)"
-    else:
-        word = "not reproduced"
-    return f"Verdict: {word}. Final reward at equal generated tokens (mean ± std over seeds): {numbers}."
-
-
-def plot(by_arm: dict[str, list[dict]], budget: int, out_dir: Path) -> list[str]:
+def plot(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None, out_dir: Path) -> list[str]:
     from common import new_figure
 
-    figure, (reward_axis, norm_axis, entropy_axis) = new_figure(3, width=5.0)
-    grid = [budget * i / 50 for i in range(1, 51)]
-    for name, seeds in by_arm.items():
-        curves = []
-        for s in seeds:
-            points = smoothed(s["records"], SMOOTH_TOKENS)
-            curves.append([next((r for t, r in reversed(points) if t <= x), math.nan) for x in grid])
-        mean = [statistics.mean(c[i] for c in curves) for i in range(len(grid))]
-        line = reward_axis.plot(grid, mean, label=name)[0]
-        if len(curves) > 1:
-            low = [min(c[i] for c in curves) for i in range(len(grid))]
-            high = [max(c[i] for c in curves) for i in range(len(grid))]
-            reward_axis.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
-        for s in seeds[:1]:
-            tokens = [r["tokens"] for r in s["records"]]
-            norm_axis.plot(tokens, [r["grad_norm"] for r in s["records"]], color=line.get_color(), lw=0.8, label=name)
-            entropy_axis.plot(tokens, [r["entropy"] for r in s["records"]], color=line.get_color(), lw=0.8)
-    reward_axis.axhline(TARGET, color="grey", ls=":", lw=0.8)
-    reward_axis.set(
-        xlabel="generated tokens", ylabel="reward (trailing window)", title="reward: mean, min-max over seeds"
-    )
-    norm_axis.set(xlabel="generated tokens", ylabel="gradient norm (first seed)", yscale="log", title="gradient norm")
-    entropy_axis.set(xlabel="generated tokens", ylabel="nats per token (first seed)", title="entropy")
+    figure, (reward_axis, update_axis) = new_figure(2, width=5.5)
+    for arm in [a for a in ARMS if a in by_arm]:
+        runs = list(by_arm[arm].values())
+        end = min(rows[-1]["tokens"] for rows in runs)
+        grid = [end * i / 60 for i in range(1, 61)]
+        curves = [[next((r for t, r in reversed(smoothed(rows, WINDOW_TOKENS)) if t <= x), float("nan")) for x in grid]
+                  for rows in runs]  # fmt: skip
+        line = reward_axis.plot(grid, [statistics.mean(c[i] for c in curves) for i in range(len(grid))], label=arm)[0]
+        for rows in runs[:1]:
+            update_axis.plot(
+                [r["step"] for r in rows], [r["update_norm"] for r in rows], lw=0.8, color=line.get_color()
+            )
+    if analysis is not None:
+        reward_axis.axhline(analysis["target"], color="grey", ls=":", lw=0.8, label="τ − δ")
+    reward_axis.set(xscale="log", xlabel="generated tokens", ylabel="reward (trailing window)", title="mean over seeds")
+    update_axis.set(xlabel="optimizer step", ylabel="‖Δθ‖ per step (first seed)", title="update size")
     reward_axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(out_dir / "reproduction.png", dpi=110)
-    return ["![reward, gradient norm and entropy vs generated tokens](reproduction.png)"]
+    return ["![reward vs generated tokens, update size per step](reproduction.png)"]
 
 
 def ensure_warm_start(warm: Path, task: list[str]) -> Path:
@@ -234,11 +300,12 @@ def ensure_warm_start(warm: Path, task: list[str]) -> Path:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny warm start, 2 arms, 1 seed, a few steps")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--quick", action="store_true", help="tiny warm start, every arm, 1 seed, 2 steps")
+    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--token-budget", type=int, default=200_000)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "reproduction")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     return parser.parse_args(argv)
@@ -247,52 +314,55 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     started = time.perf_counter()
-    task = QUICK_TASK if args.quick else TASK
+    task, steps = (QUICK_TASK, 2) if args.quick else (TASK, STEPS)
     if args.quick:
-        args.seeds, args.arms, args.token_budget = args.seeds[:1], ["grpo_n4", "otb_n4"], 400
-    warm = ensure_warm_start(args.runs_dir / "warm_start", task)
-    jobs = [(name, seed) for seed in args.seeds for name in args.arms]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        outs = list(
-            pool.map(
-                lambda job: run_arm(*job, args.token_budget, warm, args.runs_dir, [*task, *COMMON, *ARMS[job[0]]]), jobs
-            )
-        )
-    by_arm = load_runs(dict(zip(jobs, outs)), args.token_budget)
-    warm_record = json.loads((warm / "warm_start.json").read_text())
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    sections = [
-        f"Warm start: `{warm_record['command']}` ({warm_record['steps_run']} supervised steps, sampled reward "
-        f"{warm_record['final_sampled_reward']}). Task flags: `{' '.join(task)}`; common flags: `{' '.join(COMMON)}`; "
-        f"token budget {args.token_budget} per run; seeds {args.seeds}.",
-        "",
-        f"Target reward {TARGET}; reward curves are trailing means over the last {SMOOTH_TOKENS} generated tokens; "
-        f"a spike is a step whose gradient norm exceeds {SPIKE_FACTOR}x the run's median. Cells: mean ± std over "
-        "seeds.",
-        "",
-        *table(by_arm),
-        "",
-        verdict(by_arm),
-        "",
-        "Verdict rule (fixed before the runs): *reproduced* if OTB N=4's final reward is at least GRPO N=32's minus "
-        "the larger of their seed spreads, at the same generated tokens, AND exceeds GRPO N=4's by more than the "
-        "larger spread (the saving is OTB's, not N=4's); *partially* if only the first holds; *not* otherwise.",
-        "",
-        *plot(by_arm, args.token_budget, args.out_dir),
+        args.seeds = args.seeds[:1]
+    records_dir = args.out_dir / "reproduction"
+    todo = [
+        (arm, seed) for seed in args.seeds for arm in args.arms if not (records_dir / f"{arm}_seed{seed}.json").exists()
     ]
-    (args.out_dir / "reproduction.json").write_text(
-        json.dumps(
-            {k: [{key: v for key, v in s.items() if key != "records"} for s in seeds] for k, seeds in by_arm.items()},
-            indent=1,
-        )
-    )
-    return write_report(
-        "reproduction",
-        "Reproduction: OTB N=4 vs GRPO N=32 at equal generated tokens",
-        sections,
-        time.perf_counter() - started,
-        args.out_dir,
-    )
+    if todo and not args.report_only:
+        warm = ensure_warm_start(args.runs_dir / "warm_start", task)
+
+        def job(arm_seed):
+            arm, seed = arm_seed
+            flags, start = [*task, *COMMON, *ARMS[arm]], time.perf_counter()
+            run = run_arm(arm, seed, steps, warm, args.runs_dir, flags)
+            path = write_record(arm, seed, run, flags, time.perf_counter() - start, records_dir)
+            if args.commit:
+                commit(path, f"results/reproduction: {arm} seed {seed} ({steps} steps, {machine_name()})")
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(job, todo))
+    by_arm = load_records(records_dir)
+    analysis = analyse(by_arm) if "grpo_n32" in by_arm else None
+    sections = [
+        f"Arms x seeds recorded: {sum(len(v) for v in by_arm.values())} of {len(ARMS) * len(SEEDS)} "
+        f"(one compact record per run in `{records_dir.name}/` beside this report). "
+        f"Task flags: `{' '.join(task)}`; common flags: `{' '.join(COMMON)}`; {steps} steps per run.",
+        "",
+    ]
+    if analysis is not None:
+        sections += [
+            f"Reference level τ = {analysis['tau']:.3f} (GRPO N=32, mean over seeds of its last {PLATEAU_STEPS} "
+            f"steps); its gain over the {PLATEAU_STEPS} steps before: {analysis['gain_last_window']:+.3f} "
+            f"({'plateau' if analysis['plateau'] else 'NOT at plateau: τ is a lower bound'}). Target τ − δ = "
+            f"{analysis['target']:.3f} (δ = {DELTA}).",
+            "",
+        ]
+    sections += [*table(by_arm, analysis), ""]
+    if analysis is not None:
+        for arm, other in (("otb_n4", "grpo_n4"), ("otb_n4", "otb_loo_n4"), ("otb_n4", "reinforce_n4")):
+            wins, paired = ahead(analysis["hits"], arm, other)
+            sections.append(f"- {arm} reached τ − δ in fewer tokens than {other} in {wins} of {paired} paired seeds.")
+        sections += ["", verdict(analysis), ""]
+    sections += ["Design and verdict rule (fixed before the runs): see the docstring of `experiments/reproduction.py`"
+                 " and docs/EXPERIMENTS.md.", ""]  # fmt: skip
+    if by_arm:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        sections += plot(by_arm, analysis, args.out_dir)
+    title = "Reproduction: generated tokens for OTB N=4 to reach GRPO N=32's level (equal steps)"
+    return write_report("reproduction", title, sections, time.perf_counter() - started, args.out_dir)
 
 
 if __name__ == "__main__":

@@ -133,13 +133,18 @@ def _group_weighted_mean(
 
 
 def _std_scale(
-    centred: torch.Tensor, alive: torch.Tensor, group: torch.Tensor, applies: torch.Tensor, epsilon: float
+    centred: torch.Tensor,
+    alive: torch.Tensor,
+    group: torch.Tensor,
+    num_groups: int,
+    applies: torch.Tensor,
+    epsilon: float,
 ) -> torch.Tensor:
     """``[B]`` factor ``1/(σ_g + ε)`` of std scaling, σ_g the group's std of what its baseline centres
     (:func:`otb_ref.spec.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
     not ``apply`` [B] or the group's centred values do not differ (zero spread: no division of an ε residue by ε).
     """
-    sd, spread = group_std(centred, alive, group)
+    sd, spread = group_std(centred, alive, group, num_groups)
     sd = sd + epsilon
     return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
 
@@ -404,7 +409,9 @@ def _sequence_advantages(
     advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
     if spec.std_normalize:  # σ of R over the group
         alive = torch.ones_like(total_return)[:, None]
-        advantage = advantage * _std_scale(total_return[:, None], alive, inputs.group, in_group, epsilon)
+        advantage = advantage * _std_scale(
+            total_return[:, None], alive, inputs.group, inputs.num_groups, in_group, epsilon
+        )
     return advantage[:, None] * mask, total_return[:, None] * mask
 
 
@@ -465,7 +472,7 @@ def _token_advantages(
         if multi_turn:
             slot = generated_token_rank(alive)
             centred, alive = to_slots(returns, slot), to_slots(alive, slot)
-        scale = _std_scale(centred, alive, group, counted & (counts[group] >= 2), epsilon)  # [B]
+        scale = _std_scale(centred, alive, group, inputs.num_groups, counted & (counts[group] >= 2), epsilon)
     group_baseline = None
     if not spec.leave_one_out:
         group_baseline = _safe_ratio(numerator, denominator + baseline_epsilon) * group_has_baseline[:, None]  # [G, T]

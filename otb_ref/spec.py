@@ -210,7 +210,7 @@ def advantages(
     return (std_scaled(adv, centred, alive, group, counted, epsilon) if spec.std_normalize else adv), ret
 
 
-def group_std(values, alive, group) -> tuple[torch.Tensor, torch.Tensor]:
+def group_std(values, alive, group, num_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(σ, spread)``, both [B]: each row's group's pooled within-position unbiased std of ``values``, and
     whether the group's alive values differ at some position. values: [B, P]; alive: [B, P] 0/1; group: [B].
 
@@ -219,8 +219,10 @@ def group_std(values, alive, group) -> tuple[torch.Tensor, torch.Tensor]:
     with ``x̄_gp`` the mean of the alive values at p. P = 1 (``x = R``, every counted row alive) is GRPO's std of
     the returns. Token cells pass ``x = G_t`` (THEORY §3): with outcome reward and equal lengths every position
     repeats ``R`` and σ is GRPO's. σ = 0 where no position has two alive rows. ``spread`` is decided exactly
-    (max > min), not from σ, which rounding can leave at ~1e-16 for equal values."""
-    num_groups = int(group.max()) + 1 if group.numel() else 0
+    (max > min), not from σ, which rounding can leave at ~1e-16 for equal values. ``num_groups``: G when the
+    caller knows it (no host read)."""
+    if num_groups is None:
+        num_groups = int(group.max()) + 1 if group.numel() else 0
     sums = lambda x: x.new_zeros(num_groups, *x.shape[1:]).index_add_(0, group, x)  # noqa: E731  [G, P]
     n = sums(alive)
     mean = torch.where(n > 0, sums(alive * values) / n.clamp(min=1), 0.0)  # x̄_gp

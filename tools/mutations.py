@@ -183,8 +183,9 @@ MUTATIONS = [
     Mutation(
         "Astd_tok",
         "otb_ref/advantages.py",
-        "scale = _std_scale(centred, alive, group, counted & (counts[group] >= 2), epsilon)  # [B]",
-        "scale = _std_scale(returns[:, :1], torch.ones_like(returns[:, :1]), group, counts[group] >= 2, epsilon)",
+        "scale = _std_scale(centred, alive, group, inputs.num_groups, counted & (counts[group] >= 2), epsilon)",
+        "scale = _std_scale(returns[:, :1], returns[:, :1] * 0 + 1, group, inputs.num_groups, "
+        "counts[group] >= 2, epsilon)",
         "token cells scaled by the std of R (issue 22's bug) instead of G_t pooled within positions",
         "f7",
     ),

@@ -4,8 +4,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -53,24 +51,46 @@ def test_warm_start_writes_a_checkpoint_that_train_py_loads(tmp_path):
     assert saved["evaluations"] == record["evaluations"]
 
 
-def test_reproduction_quick_writes_its_report_and_stops_every_run_at_the_budget(tmp_path):
-    report = reproduction.main(["--quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")])
+def test_reproduction_quick_records_every_arm_resumes_and_reports(tmp_path):
+    """Quick mode: one compact record per arm, equal steps; a second call runs nothing (resume) and reports."""
+    out = tmp_path / "out"
+    report = reproduction.main(["--quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out)])
     text = report.read_text()
-    assert "| grpo_n4 | 1 |" in text and "| otb_n4 | 1 |" in text and "Verdict" in text and "Machine:" in text
-    assert (tmp_path / "out" / "reproduction.png").read_bytes()[:4] == b"\x89PNG"
-    summary = json.loads((tmp_path / "out" / "reproduction.json").read_text())
-    for arm in ("grpo_n4", "otb_n4"):
-        (run,) = summary[arm]
-        assert 0 <= run["final_reward"] <= 1 and 0 <= run["peak_reward"] <= 1 and run["grad_norm_spikes"] >= 0
-        records = [json.loads(line) for line in (tmp_path / "runs" / f"{arm}_seed0" / "metrics.jsonl").open()]
-        assert records[-1]["tokens"] >= 400 > records[-2]["tokens"]  # --token-budget 400
-    torch.testing.assert_close(
-        reproduction.smoothed(
-            [
-                {"tokens": 10, "reward_mean": 1.0, "generated_tokens": 10},
-                {"tokens": 40, "reward_mean": 0.0, "generated_tokens": 30},
-            ],
-            35,  # both steps lie within the window: (1 x 10 + 0 x 30) / 40
-        )[1][1],
-        0.25,
-    )
+    assert all(f"| {arm} | 1 | 2 |" in text for arm in reproduction.ARMS) and "Verdict" in text and "Machine:" in text
+    assert (out / "reproduction.png").read_bytes()[:4] == b"\x89PNG"
+    for arm in reproduction.ARMS:
+        record = json.loads((out / "reproduction" / f"{arm}_seed0.json").read_text())
+        assert record["columns"] == reproduction.COLUMNS and [row[0] for row in record["steps"]] == [1, 2]
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "reproduction").iterdir()}
+    reproduction.main(["--quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out)])
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "reproduction").iterdir()} == stamps
+
+
+def _rows(rewards: list[float], tokens_per_step: int) -> list[dict]:
+    return [
+        {"step": i + 1, "tokens": (i + 1) * tokens_per_step, "generated_tokens": tokens_per_step, "reward_mean": r}
+        for i, r in enumerate(rewards)
+    ]
+
+
+def _records(otb_rise: int, reinforce_rise: int) -> dict:
+    """Synthetic arms: reward 0 then 1 from step ``rise`` on; GRPO N=32 (8x the tokens a step) rises at step 100."""
+    steps = 200
+    curve = lambda rise: [0.0] * rise + [1.0] * (steps - rise)  # noqa: E731
+    seeds = range(5)
+    return {
+        "grpo_n32": {s: _rows(curve(100), 8000) for s in seeds},
+        "otb_n4": {s: _rows(curve(otb_rise), 1000) for s in seeds},
+        "grpo_n4": {s: _rows(curve(150), 1000) for s in seeds},
+        "reinforce_n4": {s: _rows(curve(reinforce_rise), 1000) for s in seeds},
+    }
+
+
+def test_verdict_rule_can_fail_and_can_pass():
+    """The rule's outcomes on synthetic records (rises at step k; 200 = never): OTB reaches GRPO N=32's level and
+    the no-baseline control never does (reproduced); both do (not attributable to OTB); OTB never does, so a run
+    cut off at fewer tokens than the reference is no saving (not reproduced)."""
+    verdict = lambda otb, control: reproduction.verdict(reproduction.analyse(_records(otb, control)))  # noqa: E731
+    assert "**reproduced**" in verdict(100, 200)
+    assert "not attributable to OTB" in verdict(100, 100)
+    assert "**not reproduced**" in verdict(200, 200)
