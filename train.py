@@ -1000,8 +1000,10 @@ def main(argv: list[str] | None = None) -> None:
     env = parallel.init(cfg.device)
     try:
         train(cfg, data, line_numbers, env)
-    finally:
+    except BaseException:
         parallel.shutdown()
+        raise
+    parallel.shutdown(wait_for_peers=True)
 
 
 def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env: parallel.Dist) -> None:

@@ -68,7 +68,7 @@ def main() -> None:
             }
     if env.is_main:
         Path(sys.argv[1]).write_text(json.dumps(results))
-    parallel.shutdown()
+    parallel.shutdown(wait_for_peers=True)
 
 
 if __name__ == "__main__":
