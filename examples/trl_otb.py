@@ -53,6 +53,19 @@ def contains_answer(completions, answer, **kwargs):
     return [float(word in completion.split()) for completion, word in zip(completions, answer)]
 
 
+def load_tokenizer(path: str):
+    """``AutoTokenizer``, except for a checkpoint whose tokenizer_config.json names a generic fast tokenizer: that
+    one loads exactly its tokenizer.json (transformers 5 would build the model type's own class, e.g. Qwen2's
+    byte-level pre-tokenizer, which encodes a word-level vocabulary to nothing). The same rule as train.py's."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in ("PreTrainedTokenizerFast", "TokenizersBackend") and (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--estimator", default="otb", help="a name of otb_ref.ESTIMATORS without gradient norms")
@@ -73,14 +86,15 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
     from otb_ref.integrations.trl import OTBGRPOTrainer
 
     if args.model:
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), load_tokenizer(args.model)
     else:
         model, tokenizer = tiny_model_and_tokenizer()
     if args.data:
@@ -90,8 +104,8 @@ def main(argv=None) -> int:
     config = GRPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, max_steps=args.steps,
-        learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=not args.model, seed=0, save_strategy="no",
-        disable_tqdm=True,
+        learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=not torch.cuda.is_available(), seed=0,
+        save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     trainer = OTBGRPOTrainer(
         model=model, reward_funcs=contains_answer, args=config, train_dataset=dataset, processing_class=tokenizer,

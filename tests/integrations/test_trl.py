@@ -197,3 +197,19 @@ def test_two_processes_with_groups_spanning_them(tmp_path, leave_one_out):
         for rank, part in enumerate(parts):
             length = part["mask"].shape[1]
             torch.testing.assert_close(part["advantages"], want[2 * rank : 2 * rank + 2, :length], rtol=1e-5, atol=1e-5)
+
+
+def test_example_trains_a_saved_checkpoint_on_a_jsonl_file(tmp_path):
+    """examples/trl_otb.py --model DIR --data FILE: the real loading path, on a checkpoint and data made here."""
+    model, tokenizer = example.tiny_model_and_tokenizer(seed=2)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"prompt": "say w{i} w{i + 1} answer", "answer": "w{i}"}}\n' for i in range(8)))
+    command = [sys.executable, str(Path(example.__file__)), "--model", str(tmp_path / "model"), "--data", str(data),
+               "--steps", "1", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"step": 1' in done.stdout
+    missing = subprocess.run([*command[:4], "--data", str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "--data: no such file" in missing.stderr
