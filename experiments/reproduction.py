@@ -210,6 +210,12 @@ def ahead(hits: dict, arm: str, other: str) -> tuple[int, int]:
     return wins, len(seeds)
 
 
+def saving_text(point: float, low: float, high: float) -> str:
+    """``0.85 [0.80, 0.90]``; −∞ (a resampled run that never reached the target) printed as ``−inf``."""
+    show = lambda x: f"{x:.2f}" if math.isfinite(x) else "−inf"  # noqa: E731
+    return f"{show(point)} [{show(low)}, {show(high)}]"
+
+
 def verdict(analysis: dict) -> str:
     savings, hits = analysis["savings"], analysis["hits"]
     needed = {"otb_n4", "grpo_n4", "reinforce_n4"}
@@ -226,9 +232,8 @@ def verdict(analysis: dict) -> str:
         word = "partially reproduced (the saving's point estimate meets the claim, its interval does not)"
     else:
         word = "not reproduced"
-    point, low, high = savings["otb_n4"]
     return (
-        f"Verdict: **{word}**. OTB N=4 saving vs GRPO N=32: {point:.2f} (95% interval {low:.2f} to {high:.2f}); "
+        f"Verdict: **{word}**. OTB N=4 saving vs GRPO N=32 [95% interval]: {saving_text(*savings['otb_n4'])}; "
         f"OTB N=4 ahead of GRPO N=4 in {wins} of {paired} paired seeds."
     )
 
@@ -251,8 +256,7 @@ def table(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None) -> li
             hits = list(analysis["hits"][arm].values())
             to_target = f"{_cell([t for t, _ in hits], '.0f')} ({sum(r for _, r in hits)}/{len(hits)})"
             if arm in analysis["savings"]:
-                point, low, high = analysis["savings"][arm]
-                saving = f"{point:.2f} [{low:.2f}, {high:.2f}]"
+                saving = saving_text(*analysis["savings"][arm])
         cells = [
             str(len(runs)), _cell([rows[-1]["step"] for rows in runs], ".0f"),
             _cell([rows[0]["reward_mean"] for rows in runs]),
