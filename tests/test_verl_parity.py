@@ -9,13 +9,14 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from optional import import_or_skip
 from strategies import rollout_batches
 
 import otb_ref
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl not installed (pip install -e .[verl])")
+core_algos = import_or_skip("verl.trainer.ppo.core_algos", reason="verl not installed (pip install -e .[verl])")
 
 # fp64: the same arithmetic up to summation order. fp32: the 1e-6 contract.
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-6, atol=1e-6)}

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from optional import import_or_skip
 
 from otb_ref import compute_advantages, logprobs_and_sum_pi_squared
 
-trl = pytest.importorskip("trl", reason="TRL not installed (pip install -e .[trl])")
+trl = import_or_skip("trl", reason="TRL not installed (pip install -e .[trl])")
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402

@@ -12,10 +12,11 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from optional import import_or_skip
 
 from otb_ref import ESTIMATORS, compute_advantages
 
-ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl not installed (pip install -e .[verl])")
+ray_trainer = import_or_skip("verl.trainer.ppo.ray_trainer", reason="verl not installed (pip install -e .[verl])")
 
 import verl  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
