@@ -302,42 +302,49 @@ def ensure_warm_start(warm: Path, task: list[str]) -> Path:
     return warm
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def driver_parser(doc: str, arms: dict, seeds: list[int], runs_dir: Path) -> argparse.ArgumentParser:
+    """The command line every records-based experiment shares (this one and experiments/stability.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny warm start, every arm, 1 seed, 2 steps")
-    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
+    parser.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
     parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "reproduction")
+    parser.add_argument("--runs-dir", type=Path, default=runs_dir)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
-    return parser.parse_args(argv)
+    return parser
+
+
+def run_missing(args, arms: dict, common: list[str], task: list[str], steps: int, warm: Path, records_dir: Path):
+    """Every arm x seed of ``args`` without a record in ``records_dir``: run it, write its record (and commit it).
+    The warm start ``warm`` is trained first if missing (only when something is to run)."""
+    todo = [(a, s) for s in args.seeds for a in args.arms if not (records_dir / f"{a}_seed{s}.json").exists()]
+    if not todo:
+        return
+    ensure_warm_start(warm, task)
+
+    def job(arm_seed):
+        arm, seed = arm_seed
+        flags, start = [*task, *common, *arms[arm]], time.perf_counter()
+        run = run_arm(arm, seed, steps, warm, args.runs_dir, flags)
+        path = write_record(arm, seed, run, flags, time.perf_counter() - start, records_dir)
+        if args.commit:
+            commit(path, f"results/{records_dir.name}: {arm} seed {seed} ({steps} steps, {machine_name()})")
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(job, todo))
 
 
 def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
+    args = driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "reproduction").parse_args(argv)
     started = time.perf_counter()
     task, steps = (QUICK_TASK, 2) if args.quick else (TASK, STEPS)
     if args.quick:
         args.seeds = args.seeds[:1]
     records_dir = args.out_dir / "reproduction"
-    todo = [
-        (arm, seed) for seed in args.seeds for arm in args.arms if not (records_dir / f"{arm}_seed{seed}.json").exists()
-    ]
-    if todo and not args.report_only:
-        warm = ensure_warm_start(args.runs_dir / "warm_start", task)
-
-        def job(arm_seed):
-            arm, seed = arm_seed
-            flags, start = [*task, *COMMON, *ARMS[arm]], time.perf_counter()
-            run = run_arm(arm, seed, steps, warm, args.runs_dir, flags)
-            path = write_record(arm, seed, run, flags, time.perf_counter() - start, records_dir)
-            if args.commit:
-                commit(path, f"results/reproduction: {arm} seed {seed} ({steps} steps, {machine_name()})")
-
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            list(pool.map(job, todo))
+    if not args.report_only:
+        run_missing(args, ARMS, COMMON, task, steps, args.runs_dir / "warm_start", records_dir)
     by_arm = load_records(records_dir)
     analysis = analyse(by_arm) if "grpo_n32" in by_arm else None
     sections = [

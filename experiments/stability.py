@@ -27,18 +27,16 @@ Each finished run leaves a compact record in ``results/stability/``; the report 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import reproduction  # noqa: E402
-from common import machine_name, new_figure, write_report  # noqa: E402
+from common import new_figure, write_report  # noqa: E402
 
 ARMS = {
     "grpo_n8": ["--estimator", "grpo", "--group-size", "8"],
@@ -130,36 +128,17 @@ def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny warm start, every arm, 1 seed, 2 steps")
-    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
-    parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
-    parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "stability")
+    parser = reproduction.driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "stability")
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     task, steps = (reproduction.QUICK_TASK, 2) if args.quick else (reproduction.TASK, STEPS)
     if args.quick:
         args.seeds = args.seeds[:1]
     records_dir = args.out_dir / "stability"
-    todo = [(a, s) for s in args.seeds for a in args.arms if not (records_dir / f"{a}_seed{s}.json").exists()]
-    if todo and not args.report_only:
-        warm = reproduction.ensure_warm_start(args.runs_dir / "warm_start" if args.quick else args.warm, task)
-
-        def job(arm_seed):
-            arm, seed = arm_seed
-            flags, begun = [*task, *COMMON, *ARMS[arm]], time.perf_counter()
-            run = reproduction.run_arm(arm, seed, steps, warm, args.runs_dir, flags)
-            path = reproduction.write_record(arm, seed, run, flags, time.perf_counter() - begun, records_dir)
-            if args.commit:
-                reproduction.commit(path, f"results/stability: {arm} seed {seed} ({steps} steps, {machine_name()})")
-
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            list(pool.map(job, todo))
+    if not args.report_only:
+        warm = args.runs_dir / "warm_start" if args.quick else args.warm
+        reproduction.run_missing(args, ARMS, COMMON, task, steps, warm, records_dir)
     by_arm = reproduction.load_records(records_dir)
     sections = [
         f"Arms x seeds recorded: {sum(len(v) for v in by_arm.values())} of {len(ARMS) * len(SEEDS)} (one compact "
