@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # test_trl and tests/optional.py
 import test_trl  # noqa: E402
 
 from otb_ref.integrations.trl import OTBGRPOTrainer  # noqa: E402
