@@ -10,6 +10,7 @@ The specification is docs/THEORY.md (facts F1–F7). Pure functions on tensors:
 * :mod:`otb_ref.diagnostics` — forward-only variance metrics (§5).
 * :mod:`otb_ref.grad_norms` — every response's exact ``||S||²`` (the EOB's energy, F3) in one
   forward + backward.
+* :mod:`otb_ref.integrations` — the verl plugin and TRL's ``OTBGRPOTrainer`` (optional extras; not imported here).
 """
 
 from otb_ref import spec
