@@ -230,10 +230,10 @@ def group_std(values, alive, group, num_groups: int | None = None) -> tuple[torc
     dof = (n - 1).clamp(min=0).sum(-1)  # [G]
     sd = torch.where(dof > 0, squared_deviations / dof.clamp(min=1), 0.0).sqrt()
     live, rows = alive > 0, group[:, None].expand_as(values)
-    high = torch.where(live, values, -torch.inf).new_full(n.shape, -torch.inf)
-    high = high.scatter_reduce_(0, rows, torch.where(live, values, -torch.inf), "amax")  # [G, P]
-    low = values.new_full(n.shape, torch.inf).scatter_reduce_(0, rows, torch.where(live, values, torch.inf), "amin")
-    return sd[group], (high > low).any(-1)[group]
+    extreme = lambda fill, how: values.new_full(n.shape, fill).scatter_reduce_(  # noqa: E731  [G, P]
+        0, rows, torch.where(live, values, fill), how
+    )
+    return sd[group], (extreme(-torch.inf, "amax") > extreme(torch.inf, "amin")).any(-1)[group]
 
 
 def std_scaled(adv, centred, alive, group, counted, epsilon: float) -> torch.Tensor:

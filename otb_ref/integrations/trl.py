@@ -236,8 +236,8 @@ class OTBGRPOTrainer(GRPOTrainer):
 
 def _outcome_at_last_token(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` token rewards: each row's reward at its last position with ``mask = 1`` (none for empty rows)."""
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask > 0, positions, -1).amax(dim=1, keepdim=True) if mask.shape[1] else None
-    if last is None:
+    if mask.shape[1] == 0:
         return torch.zeros_like(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, -1).amax(dim=1, keepdim=True)  # -1 for an empty row
     return torch.where(positions == last, rewards[:, None], 0.0)
