@@ -15,16 +15,11 @@ Flags, recipes and measured numbers: docs/TRAINING.md.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
-import functools
-import importlib.util
 import json
 import math
 import os
 import sys
-import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,487 +27,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import parallel
-from otb_ref import (
-    ESTIMATORS,
-    compute_advantages,
-    logprobs_and_sum_pi_squared,
-    row_grad_norms_sq,
-    variance_proxy_metrics,
+from otb_ref import compute_advantages, variance_proxy_metrics
+from otb_train import checkpoints, distributed
+from otb_train.config import (
+    Config,
+    UserError,
+    check_run_directory,
+    config_changes,
+    config_record,
+    describe,
+    parse_config,
 )
-from otb_ref.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl_penalty
-from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
-from otb_ref.static_decode import StaticKVDecoder, static_decode_unsupported
-from otb_ref.tasks import SYNTHETIC_TASKS, CharTokenizer, Problem, math_reward, synthetic_problem, synthetic_reward
-
-# ----------------------------------------------------------------------------- config
-
-
-def _flag(default, help, choices=None, hidden=False, nargs=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden, "nargs": nargs})
-
-
-@dataclass
-class Config:
-    """Every flag of train.py (``--steps`` is ``steps``); ``validate`` checks them all in one place."""
-
-    steps: int = _flag(300, "RL steps; with --token-budget, a cap on steps (default then 1000000)")
-    token_budget: int = _flag(0, "stop after this many generated tokens; the LR schedule runs on tokens (0: off)")
-    seed: int = _flag(0, "seed of model init, prompt order and sampling")
-    output_dir: str = _flag(
-        "", "directory for metrics.jsonl, samples.jsonl, config.json, checkpoints (default: runs/<date-time>)"
-    )
-    resume: bool = _flag(
-        False, "continue the run in --output-dir from its newest complete checkpoint (from step 0 if none)"
-    )
-    save_every: int = _flag(50, "checkpoint every this many steps (and after the last); 0: only after the last")
-    keep_checkpoints: int = _flag(2, "complete checkpoints to keep (0: all)")
-    model: str = _flag("", "local Hugging Face checkpoint directory (default: a tiny random-init Qwen2)")
-    data: str = _flag("", 'JSONL file of {"prompt": ..., "answer": ...} rows, math-answer reward (default: synthetic)')
-    task: str = _flag("copy", "built-in synthetic task when --data is not given", SYNTHETIC_TASKS)
-    copy_lengths: tuple[int, int] | None = _flag(
-        None, "copy task: MIN MAX answer digits (default 1 4; 63 511 with --long-horizon)", nargs=2
-    )
-    long_horizon: bool = _flag(False, "copy tasks with 64-512 token responses and --max-new-tokens 512 (for GPUs)")
-    hidden_size: int = _flag(64, "width of the built-in model")
-    num_layers: int = _flag(2, "decoder layers of the built-in model")
-    prompts_per_step: int = _flag(32, "prompts per step, over all ranks")
-    group_size: int = _flag(8, "responses per prompt (N)")
-    max_new_tokens: int = _flag(8, "response length cap (default 1024 with --model, 512 with --long-horizon)")
-    temperature: float = _flag(1.0, "sampling temperature (log-probs use the same temperature)")
-    top_p: float = _flag(1.0, "nucleus sampling mass")
-    estimator: str = _flag("otb", "advantage estimator", tuple(ESTIMATORS))
-    leave_one_out: bool | None = _flag(None, "leave-one-out baselines (default: the estimator's; only rloo has them)")
-    no_baseline: bool = _flag(False, "control: every response is its own group, so advantage = return (REINFORCE)")
-    std_normalize: bool | None = _flag(
-        None, "divide advantages by the group's reward std (default: the estimator's; only grpo does)"
-    )
-    lr: float = _flag(1e-3, "peak learning rate, AdamW (default 1e-6 with --model)")
-    weight_decay: float = _flag(0.0, "AdamW weight decay")
-    warmup_steps: int = _flag(5, "linear warmup, in optimizer steps")
-    min_lr_ratio: float = _flag(0.1, "cosine decays the learning rate to this fraction of --lr")
-    grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: no clipping)")
-    clip_low: float = _flag(0.2, "PPO ratio clip below: 1 - clip_low")
-    clip_high: float = _flag(0.2, "PPO ratio clip above: 1 + clip_high")
-    loss_agg: str = _flag("token-mean", "loss aggregation", AGGREGATIONS)
-    kl_coef: float = _flag(0.0, "weight of the KL loss to the frozen initial policy (0: no reference model)")
-    kl_estimator: str = _flag("k3", "per-token KL estimator", KL_ESTIMATORS)
-    mini_batches: int = _flag(1, "optimizer steps per RL step (the batch is split into this many)")
-    epochs: int = _flag(1, "passes over the batch per RL step")
-    micro_batch_size: int = _flag(64, "responses per forward/backward on each rank (default 8 with --model)")
-    device: str = _flag("auto", "auto: CUDA when available", ("auto", "cpu", "cuda"))
-    mixed_precision: str = _flag(
-        "auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32")
-    )
-    activation_checkpointing: bool = _flag(False, "recompute decoder-layer activations in backward")
-    static_decode: bool = _flag(False, "generate with otb_ref.static_decode (static KV cache, CUDA graphs on GPU)")
-    logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
-    sample_every: int = _flag(
-        10, "write prompts, responses and rewards to samples.jsonl every this many steps (0: never)"
-    )
-    num_samples: int = _flag(4, "responses written to samples.jsonl each time (one per prompt)")
-    tensorboard: bool = _flag(False, "also write TensorBoard scalars (needs the tensorboard package)")
-    debug_dump: str = _flag("", "write per-step advantages and rewards of each rank here", hidden=True)
-    debug_nan_step: int = _flag(0, "make the loss NaN at this step (tests the skip)", hidden=True)
-    debug_stop_after: int = _flag(
-        0, "checkpoint and stop after this step, as if preempted (tests --resume)", hidden=True
-    )
-
-    def apply_implied_defaults(self, given: set[str]) -> None:
-        """Defaults that depend on other flags, for the fields not given on the command line."""
-        implied = dict(REAL_MODEL_DEFAULTS) if self.model else {}
-        if self.long_horizon:
-            implied.update(max_new_tokens=512)
-        if self.token_budget:
-            implied["steps"] = 1_000_000
-        for name, value in implied.items():
-            if name not in given:
-                setattr(self, name, value)
-        if self.copy_lengths is None:
-            self.copy_lengths = (63, 511) if self.long_horizon else (1, 4)
-        self.copy_lengths = tuple(self.copy_lengths)
-
-    def validate(self) -> None:
-        """Raise :class:`UserError` naming the first flag whose value is wrong (before anything is written)."""
-        low, high = self.copy_lengths
-        checks = [
-            (self.steps >= 1, "--steps must be >= 1"),
-            (self.token_budget >= 0, "--token-budget must be >= 0"),
-            (self.group_size >= 1, "--group-size must be >= 1"),
-            (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
-            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-            (self.temperature > 0, "--temperature must be > 0"),
-            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
-            (self.lr > 0, "--lr must be > 0"),
-            (0 <= self.clip_low < 1, "--clip-low must be in [0, 1)"),
-            (self.clip_high >= 0, "--clip-high must be >= 0"),
-            (self.kl_coef >= 0, "--kl-coef must be >= 0"),
-            (self.grad_clip >= 0, "--grad-clip must be >= 0"),
-            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
-            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
-            (self.mini_batches >= 1, "--mini-batches must be >= 1"),
-            (self.epochs >= 1, "--epochs must be >= 1"),
-            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-            (self.save_every >= 0, "--save-every must be >= 0"),
-            (self.hidden_size >= 32 and self.hidden_size % 32 == 0, "--hidden-size must be a positive multiple of 32"),
-            (self.num_layers >= 1, "--num-layers must be >= 1"),
-            (self.logprob_chunk_size >= 0, "--logprob-chunk-size must be >= 0"),
-            (1 <= low <= high, "--copy-lengths MIN MAX needs 1 <= MIN <= MAX"),
-            (self.sample_every >= 0, "--sample-every must be >= 0"),
-            (self.num_samples >= 0, "--num-samples must be >= 0"),
-            (
-                not (self.long_horizon and self.task == "add"),
-                "--long-horizon is for the copy tasks, not --task add",
-            ),
-            (not self.resume or self.output_dir, "--resume needs --output-dir (the run to continue)"),
-            (self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-            (
-                not self.tensorboard or importlib.util.find_spec("tensorboard"),
-                "--tensorboard needs the tensorboard package (pip install tensorboard)",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UserError(message)
-        self._validate_paths()
-
-    def _validate_paths(self) -> None:
-        model = Path(self.model)
-        if self.model and not model.is_dir():
-            raise UserError(f"--model {self.model}: no such directory")
-        if self.model and not (model / "config.json").is_file():
-            raise UserError(f"--model {self.model}: no config.json (not a Hugging Face checkpoint directory)")
-        if self.model and not any((model / name).is_file() for name in TOKENIZER_FILES):
-            raise UserError(f"--model {self.model}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
-        if self.data and not Path(self.data).is_file():
-            raise UserError(f"--data {self.data}: no such file")
-
-
-# Defaults for pretrained models (--model), unless the flag is given: a from-scratch learning rate and an
-# 8-token cap would wreck or silently truncate a real model (lr 1e-6 is the common choice for 0.5B-7B RL).
-REAL_MODEL_DEFAULTS = {"lr": 1e-6, "max_new_tokens": 1024, "micro_batch_size": 8}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# Flags that define a run: --resume refuses to continue it if any of these differs from its config.json.
-# Every other flag (--steps, saving, logging, micro-batching, devices, decoding speed-ups) may change.
-RUN_DEFINING = (
-    "seed",
-    "model",
-    "data",
-    "task",
-    "copy_lengths",
-    "long_horizon",
-    "hidden_size",
-    "num_layers",
-    "prompts_per_step",
-    "group_size",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "estimator",
-    "leave_one_out",
-    "std_normalize",
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "min_lr_ratio",
-    "grad_clip",
-    "clip_low",
-    "clip_high",
-    "loss_agg",
-    "kl_coef",
-    "kl_estimator",
-    "mini_batches",
-    "epochs",
-    "token_budget",
-    "mixed_precision",
-)
-
-
-class UserError(Exception):
-    """A mistake in flags or files: reported as one line, exit status 2, no traceback."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(message)
-
-
-def parse_config(argv: list[str]) -> Config:
-    """Flags -> a validated :class:`Config` (implied defaults applied to the flags not given)."""
-    parser = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    for f in dataclasses.fields(Config):
-        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
-        default = "" if f.type.startswith("bool") or "default" in meta["help"] else f" (default: {f.default})"
-        kwargs = dict(help=argparse.SUPPRESS if meta["hidden"] else meta["help"] + default)
-        if f.type == "bool":
-            parser.add_argument(flag, action="store_true", **kwargs)
-        elif f.type.startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            kind = {"float": float, "str": str}.get(f.type, int)
-            parser.add_argument(flag, type=kind, choices=meta["choices"], nargs=meta["nargs"], **kwargs)
-    given = vars(parser.parse_args(argv))
-    cfg = Config(**given)
-    cfg.apply_implied_defaults(set(given))
-    cfg.validate()
-    return cfg
-
-
-def config_record(cfg: Config) -> dict:
-    """The configuration as JSON values (what config.json holds)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-def config_changes(before: dict, after: dict) -> dict[str, list]:
-    """``{flag: [before, after]}`` for every configuration field whose JSON value differs."""
-    return {k: [before.get(k), after.get(k)] for k in {**before, **after} if before.get(k) != after.get(k)}
-
-
-def describe(cfg: Config) -> str:
-    """The effective configuration, ``name=value`` wrapped to 118 columns (printed at start)."""
-    pairs = [f"{k}={v}" for k, v in config_record(cfg).items() if not k.startswith("debug_")]
-    return textwrap.fill(" ".join(pairs), width=118, initial_indent="config: ", subsequent_indent="  ")
-
-
-def load_jsonl(path: str) -> tuple[list[Problem], list[int]]:
-    """The rows of a ``--data`` file and their line numbers; malformed rows are a :class:`UserError`."""
-    problems, line_numbers = [], []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{number}: malformed JSON ({error.msg})") from None
-        if not isinstance(row, dict) or not {"prompt", "answer"} <= set(row):
-            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise UserError(f'{path}:{number}: expected an object with keys "prompt" and "answer", got {keys}')
-        if not isinstance(row["prompt"], str) or not isinstance(row["answer"], (str, int, float)):
-            raise UserError(f'{path}:{number}: "prompt" must be a string and "answer" a string or number')
-        problems.append(Problem(row["prompt"], str(row["answer"])))
-        line_numbers.append(number)
-    if not problems:
-        raise UserError(f"{path}: no rows")
-    return problems, line_numbers
-
-
-def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
-    """The run's first configuration when ``--resume`` continues it, else None; refuses what cannot work.
-
-    A new run needs a directory without one; a resumed run must match its config.json on every RUN_DEFINING
-    flag (the differences are listed).
-    """
-    holds_run = (output_dir / "metrics.jsonl").exists() or (output_dir / "checkpoints").exists()
-    if not cfg.resume:
-        if holds_run:
-            raise UserError(
-                f"--output-dir {output_dir} already holds a run: pass --resume to continue it, "
-                "or choose another directory"
-            )
-        return None
-    config_file = output_dir / "config.json"
-    if not config_file.is_file():
-        if holds_run:
-            raise UserError(f"--resume: {output_dir} holds a run but no config.json to check the flags against")
-        return None
-    first = json.loads(config_file.read_text())
-    changes = config_changes(first, config_record(cfg))
-    changed = [f"--{k.replace('_', '-')} {changes[k][0]!r} -> {changes[k][1]!r}" for k in RUN_DEFINING if k in changes]
-    if changed:
-        raise UserError(
-            f"--resume: flags that define the run differ from {config_file}: {'; '.join(changed)} "
-            "(start a new --output-dir to change them)"
-        )
-    return first
-
-
-# ----------------------------------------------------------------------------- model, tokenizer, prompts
-
-
-class Policy(nn.Module):
-    """A causal LM whose LM head runs inside this module's forward (so FSDP gathers its weight there).
-
-    ``forward(ids, mask, positions, cache=...)`` -> (next-token logits [B, V] fp32, cache);
-    ``forward(ids, mask, positions, targets=[B, T])`` -> (log pi(targets), sum pi^2), each [B, T] fp32, for
-    the last T positions of ``ids`` (the response), through otb_ref's chunked function.
-    """
-
-    def __init__(self, lm: nn.Module, temperature: float, chunk_size: int | None):
-        super().__init__()
-        self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
-
-    def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, full_logits=False):
-        out = self.lm.get_decoder()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=targets is None,
-        )
-        weight = self.lm.get_output_embeddings().weight  # [V, d]
-        if targets is None:
-            return (out.last_hidden_state[:, -1] @ weight.T).float(), out.past_key_values
-        hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
-        if full_logits:  # through the LM-head module, whose call row_grad_norms_sq records: [B, T, V] logits
-            z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
-            return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1), None
-        log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(
-            hidden, weight, targets, temperature=self.temperature, chunk_size=self.chunk_size
-        )
-        return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
-
-
-GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def load_tokenizer(path: str):
-    """``AutoTokenizer``, except that a tokenizer_config.json naming a generic fast tokenizer gets exactly its
-    tokenizer.json: transformers 5 otherwise builds the model type's own class (e.g. Qwen2Tokenizer, whose
-    byte-level pre-tokenizer silently dropped the spaces of a character-level vocabulary)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config = Path(path) / "tokenizer_config.json"
-    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if named in GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
-def build_model_and_tokenizer(cfg: Config):
-    """(causal LM in fp32, tokenizer, EOS ids, pad id): the built-in tiny Qwen2, or ``--model``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    if not cfg.model:
-        tokenizer, width = CharTokenizer(), cfg.hidden_size
-        config = Qwen2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=width,
-            intermediate_size=4 * width,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=max(1, width // 16),
-            num_key_value_heads=max(1, width // 32),
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            pad_token_id=0,
-            eos_token_id=1,
-            bos_token_id=None,
-        )
-        torch.manual_seed(cfg.seed)
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return lm, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    except Exception as error:  # noqa: BLE001 - any loading failure is the user's checkpoint
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        raise UserError(f"--model {cfg.model}: not a loadable Hugging Face checkpoint ({reason})") from None
-    head, config = lm.get_output_embeddings(), lm.config
-    if (
-        head is None
-        or getattr(head, "bias", None) is not None
-        or getattr(config, "final_logit_softcapping", None)
-        or getattr(config, "logit_scale", None) not in (None, 1.0)
-    ):
-        raise UserError(
-            f"--model {cfg.model}: unsupported LM head (logits must be hidden @ W.T: no bias, soft-capping or scaling)"
-        )
-    eos = lm.generation_config.eos_token_id if lm.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    eos = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
-    if not eos:
-        raise UserError(f"--model {cfg.model}: neither the tokenizer nor generation_config.json names an EOS token")
-    return lm, tokenizer, eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-
-
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """Prompt ids: the chat template with a generation prompt when the tokenizer has one."""
-    if isinstance(tokenizer, CharTokenizer):
-        return tokenizer.encode(prompt)
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
-
-
-def check_prompts(cfg: Config, data: list[Problem], line_numbers: list[int], tokenizer) -> None:
-    """Every ``--data`` prompt encodes to at least one token the model knows."""
-    for problem, number in zip(data, line_numbers):
-        try:
-            ids = encode_prompt(tokenizer, problem.prompt)
-        except ValueError as error:
-            hint = "; pass --model with its own tokenizer" if isinstance(tokenizer, CharTokenizer) else ""
-            raise UserError(f"--data {cfg.data}:{number}: the prompt cannot be encoded ({error}){hint}") from None
-        if not ids:
-            raise UserError(f"--data {cfg.data}:{number}: the prompt encodes to no tokens with this tokenizer")
-
-
-def left_pad(rows: list[list[int]], pad_id: int, width: int | None = None, device=None):
-    """(ids [B, width] int64, mask [B, width] 0/1 int64): each row right-aligned, ``pad_id`` and 0 on its left.
-    ``width`` defaults to the longest row."""
-    width = max(len(ids) for ids in rows) if width is None else width
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, mask
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order(seed: int, epoch: int, size: int) -> list[int]:
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-
-
-def problem_at(cfg: Config, data: list[Problem] | None, position: int) -> Problem:
-    """Problem number ``position`` of the run's stream (a pure function of seed and position, so a
-    resumed run continues where it stopped): synthetic, or the data in a new shuffled order each epoch."""
-    if data is None:
-        return synthetic_problem(cfg.task, cfg.seed, position, copy_lengths=cfg.copy_lengths)
-    epoch, offset = divmod(position, len(data))
-    return data[_epoch_order(cfg.seed, epoch, len(data))[offset]]
-
-
-def local_prompt_positions(cfg: Config, env: parallel.Dist) -> list[int]:
-    """This rank's prompts within the step, ordered by mini-batch: mini-batch k holds the same
-    global prompts for any world size (rank r takes the r-th slice of each)."""
-    per_mini = cfg.prompts_per_step // cfg.mini_batches
-    per_rank = per_mini // env.world_size
-    return [k * per_mini + env.rank * per_rank + i for k in range(cfg.mini_batches) for i in range(per_rank)]
-
-
-def exact_energies(
-    estimator: str, lm: nn.Module, sequences, attention, mask, temperature: float
-) -> dict[str, torch.Tensor]:
-    """Exact ``||S||²`` [B] ("eob") or ``||S_t||²`` [B, T] ("otb_exact") of an unsharded ``lm`` (otb_ref.exact).
-
-    otb_ref.exact uses the model's default positions 0..L-1, so each row is rotated to move its left
-    padding to the end: then its real tokens sit at the same positions as in the policy's forward.
-    """
-    from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
-
-    num_prompt = sequences.shape[1] - mask.shape[1]
-    left_pad = (~attention[:, :num_prompt]).sum(dim=1, keepdim=True)  # [B, 1]
-    length = sequences.shape[1]
-    index = (torch.arange(length, device=sequences.device) + left_pad) % length  # rotated[:, i] = row[:, index[:, i]]
-    response = torch.cat([torch.zeros_like(attention[:, :num_prompt]), mask], dim=1)
-    args = [lm] + [x.gather(1, index).long() for x in (sequences, response, attention)]
-    if ESTIMATORS[estimator].granularity == "sequence":
-        return {"grad_norms_sq": sequence_grad_norms_sq(*args, temperature=temperature).float()}
-    rotated = prefix_grad_norms_sq(*args, temperature=temperature)  # [B, L] on the rotated grid
-    return {"cumulative_energy": torch.zeros_like(rotated).scatter_(1, index, rotated)[:, num_prompt:].float()}
-
-
-def sequence_norms(policy: nn.Module, sequences, attention, positions, response_ids, mask) -> torch.Tensor:
-    """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` [B] for the rows given, in one forward + backward of the
-    (possibly sharded) policy: otb_ref.row_grad_norms_sq on the policy's own forward and positions."""
-
-    def log_likelihood():  # [B]
-        log_probs, _ = policy(sequences, attention, positions, targets=response_ids, full_logits=True)
-        return (log_probs * mask).sum(dim=1)
-
-    return row_grad_norms_sq(policy, log_likelihood)
-
+from otb_train.data import check_prompts, encode_prompt, left_pad, load_jsonl, problem_at
+from otb_train.energies import exact_energies, sequence_norms
+from otb_train.losses import aggregate, clipped_policy_loss, kl_penalty
+from otb_train.model import build_model_and_tokenizer, shard_policy
+from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
+from otb_train.run_log import JsonlLog
+from otb_train.static_decode import StaticKVDecoder, static_decode_unsupported
+from otb_train.tasks import Problem, math_reward, synthetic_reward
 
 # ----------------------------------------------------------------------------- what the phases share
 
@@ -522,7 +55,7 @@ class Run:
     """The configuration, this rank and the models: everything a phase reads besides the batch."""
 
     cfg: Config
-    env: parallel.Dist
+    env: distributed.Dist
     output_dir: Path
     data: list[Problem] | None
     tokenizer: object
@@ -536,8 +69,8 @@ class Run:
     prompt_positions: list[int]  # this rank's prompts within a step
     global_rows: torch.Tensor  # [B] this rank's rows of the step's global batch
     micro: list[slice]  # micro-batches of this rank's rows; none straddles a mini-batch
-    metrics_log: parallel.MetricsLog | None = None
-    samples_log: parallel.MetricsLog | None = None
+    metrics_log: JsonlLog | None = None
+    samples_log: JsonlLog | None = None
     progress: object = None
     last_truncation_warning: int = -(10**9)
 
@@ -564,6 +97,14 @@ class Batch:
     proxy: dict[str, float] = field(default_factory=dict)  # advantages: otb_ref.variance_proxy_metrics
 
 
+def local_prompt_positions(cfg: Config, env: distributed.Dist) -> list[int]:
+    """This rank's prompts within the step, ordered by mini-batch: mini-batch k holds the same
+    global prompts for any world size (rank r takes the r-th slice of each)."""
+    per_mini = cfg.prompts_per_step // cfg.mini_batches
+    per_rank = per_mini // env.world_size
+    return [k * per_mini + env.rank * per_rank + i for k in range(cfg.mini_batches) for i in range(per_rank)]
+
+
 # ----------------------------------------------------------------------------- the phases of one step
 
 
@@ -576,7 +117,7 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
     rows = [encoded[p] for p in run.prompt_positions for _ in range(n)]
     prompt_ids, prompt_mask = left_pad(rows, run.pad_id, width, env.device)
     uniforms = sampling_uniforms(cfg.seed, step, cfg.prompts_per_step * n, cfg.max_new_tokens)[run.global_rows]
-    with parallel.gathered_for_generation(run.policy):
+    with distributed.gathered_for_generation(run.policy):
         decoder = StaticKVDecoder(run.policy, run.policy.lm, cfg.max_new_tokens) if cfg.static_decode else run.policy
         out = generate(
             decoder,
@@ -588,7 +129,7 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            keep_going=parallel.any_rank,
+            keep_going=distributed.any_rank,
         )
     attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
     return Batch(
@@ -651,7 +192,7 @@ def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
         ]
         energies["grad_norms_sq"] = torch.cat(norms)
     if run.exact_lm is not None:  # the full parameters every step (one all-gather of the whole model: small models)
-        full = parallel.full_model_state_dict(run.policy)
+        full = distributed.full_model_state_dict(run.policy)
         run.exact_lm.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
         energies = exact_energies(cfg.estimator, run.exact_lm, b.sequences, b.attention, b.mask, cfg.temperature)
     b.advantages, _ = compute_advantages(
@@ -702,7 +243,7 @@ def accumulate_gradients(run: Run, batch: Batch, mini: slice, step: int) -> dict
     counts, and FSDP sums (not averages) gradients over ranks: any rank/micro-batch split gives one gradient.
     """
     cfg, b = run.cfg, batch
-    global_tokens = float(parallel.all_reduce([float(b.mask[mini].sum())])[0])
+    global_tokens = float(distributed.all_reduce([float(b.mask[mini].sum())])[0])
     norm = dict(global_tokens=global_tokens, global_sequences=(mini.stop - mini.start) * run.env.world_size)
     sums = dict.fromkeys(("loss", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
     for rows in (r for r in run.micro if mini.start <= r.start < mini.stop):
@@ -747,7 +288,7 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             lr = learning_rate(cfg, state["updates"], state["tokens"], run.schedule_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            sums = parallel.all_reduce_named(
+            sums = distributed.all_reduce_named(
                 accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini), step)
             )
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -768,7 +309,7 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
                 totals[key] += value
     squares = [(_local(p).detach() - p0).double().square().sum() for p, p0 in zip(trained, before)]
     change = float(torch.stack(squares).sum()) if squares else 0.0  # one host read
-    update_norm = parallel.all_reduce_named({"change": change})["change"] ** 0.5  # ||θ_after − θ_before||, global
+    update_norm = distributed.all_reduce_named({"change": change})["change"] ** 0.5  # ||θ_after − θ_before||, global
     return {**{key: value / updates for key, value in totals.items()}, "skipped": skipped, "lr": lr,
             "update_norm": update_norm}  # fmt: skip
 
@@ -794,7 +335,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "neg_log_sum_pi_squared": float(torch.where(b.mask, -b.sum_pi_squared.log(), 0.0).sum()),  # Renyi-2 entropy
         **{key: b.proxy[f"variance_proxy/{key}"] for key in ("proxy2_total_power", "expected_a_squared", "expected_w")},
     }
-    total = parallel.all_reduce_named(local)
+    total = distributed.all_reduce_named(local)
     generated, reward_mean = total["tokens"], total["reward"] / count
     power, grad_norm = total["proxy2_total_power"] / env.world_size, stats["grad_norm"]  # ranks: equal row counts
     return {
@@ -804,7 +345,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "reward_mean": reward_mean,
         "reward_std": math.sqrt(max(0.0, total["reward_sq"] / count - reward_mean**2)),
         "response_length_mean": generated / count,
-        "response_length_max": int(parallel.all_reduce([float(lengths.max())], op="max")[0]),
+        "response_length_max": int(distributed.all_reduce([float(lengths.max())], op="max")[0]),
         "truncated_fraction": total["truncated"] / count,
         "zero_variance_group_fraction": total["zero_variance_groups"] / cfg.prompts_per_step,
         "entropy": total["neg_log_prob"] / generated,
@@ -874,14 +415,7 @@ def report(run: Run, record: dict) -> None:
 # ----------------------------------------------------------------------------- setup
 
 
-def shard_policy(cfg: Config, lm: nn.Module, env: parallel.Dist, bf16: bool, checkpointing: bool) -> nn.Module:
-    """FSDP2 over the decoder layers, then the Policy root; fully_shard moves each unit to the device."""
-    layers = [m for m in lm.modules() if type(m).__name__ in (getattr(lm, "_no_split_modules", None) or ())]
-    policy = Policy(lm, cfg.temperature, cfg.logprob_chunk_size or None)
-    return parallel.shard(policy, layers, env, bf16=bf16, activation_checkpointing=checkpointing)
-
-
-def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> tuple[Run, dict | None]:
+def prepare(cfg: Config, data, line_numbers: list[int], env: distributed.Dist) -> tuple[Run, dict | None]:
     """Every check that can fail, then the models, optimizer and row layout; writes nothing.
     Returns the run and the first start's configuration (None for a new run)."""
     if cfg.prompts_per_step % (env.world_size * cfg.mini_batches):
@@ -889,9 +423,9 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> t
             f"--prompts-per-step ({cfg.prompts_per_step}) must be divisible by the number of ranks "
             f"({env.world_size}) times --mini-batches ({cfg.mini_batches})"
         )
-    cfg.output_dir = cfg.output_dir or parallel.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
+    cfg.output_dir = cfg.output_dir or distributed.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
     first = check_run_directory(cfg, Path(cfg.output_dir))
-    parallel.barrier()  # every rank has looked before rank 0 writes anything there
+    distributed.barrier()  # every rank has looked before rank 0 writes anything there
     lm, tokenizer, eos_ids, pad_id = build_model_and_tokenizer(cfg)
     if data is not None:
         check_prompts(cfg, data, line_numbers, tokenizer)
@@ -936,9 +470,9 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: parallel.Dist) -> t
 def restore(run: Run) -> tuple[dict, Path | None]:
     """The trainer state: fresh, or loaded (with the model and optimizer) from the newest complete checkpoint."""
     state = {"step": 0, "tokens": 0, "skipped_total": 0, "data_position": 0, "updates": 0}
-    latest = parallel.latest_checkpoint(run.output_dir) if run.cfg.resume else None
+    latest = checkpoints.latest_checkpoint(run.output_dir) if run.cfg.resume else None
     if latest is not None:
-        state = parallel.load_checkpoint(latest, run.policy, run.optimizer, state, run.env)
+        state = checkpoints.load_checkpoint(latest, run.policy, run.optimizer, state, run.env)
     return state, latest
 
 
@@ -979,11 +513,11 @@ def start_logs(run: Run, first: dict | None, state: dict, latest: Path | None) -
                 file=sys.stderr,
             )
     resume_step = state["step"] if cfg.resume else None
-    run.metrics_log = parallel.MetricsLog(out, env, resume_step=resume_step, tensorboard=cfg.tensorboard)
-    run.samples_log = parallel.MetricsLog(out, env, resume_step=resume_step, name="samples.jsonl")
+    run.metrics_log = JsonlLog(out, env, resume_step=resume_step, tensorboard=cfg.tensorboard)
+    run.samples_log = JsonlLog(out, env, resume_step=resume_step, name="samples.jsonl")
 
 
-def sync(env: parallel.Dist) -> float:
+def sync(env: distributed.Dist) -> float:
     if env.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
@@ -994,19 +528,19 @@ def sync(env: parallel.Dist) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    if problem := parallel.device_problem(cfg.device):
+    if problem := distributed.device_problem(cfg.device):
         raise UserError(problem)
     data, line_numbers = load_jsonl(cfg.data) if cfg.data else (None, [])
-    env = parallel.init(cfg.device)
+    env = distributed.init(cfg.device)
     try:
         train(cfg, data, line_numbers, env)
     except BaseException:
-        parallel.shutdown()
+        distributed.shutdown()
         raise
-    parallel.shutdown(wait_for_peers=True)
+    distributed.shutdown(wait_for_peers=True)
 
 
-def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env: parallel.Dist) -> None:
+def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env: distributed.Dist) -> None:
     """rollout -> score -> old log-probs -> advantages -> update -> log and checkpoint, step after step."""
     from tqdm import tqdm
 
@@ -1058,7 +592,9 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
         report(run, record)
         rewards.append(record["reward_mean"])
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            parallel.save_checkpoint(run.output_dir, step, run.policy, run.optimizer, state, env, cfg.keep_checkpoints)
+            checkpoints.save_checkpoint(
+                run.output_dir, step, run.policy, run.optimizer, state, env, cfg.keep_checkpoints
+            )
         if stop:
             break
     run.progress.close()

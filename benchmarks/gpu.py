@@ -27,16 +27,22 @@ after ``--time-budget`` seconds are skipped (``"skipped": true``).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 import traceback
 import warnings
 from typing import Callable
 
 import torch
-from run import OTB_SHAPES, OTB_SHAPES_QUICK, _otb_inputs, naive_logprobs_and_sum_pi_squared
 
 import otb_ref
+from harness import (
+    OTB_SHAPES,
+    OTB_SHAPES_QUICK,
+    naive_logprobs_and_sum_pi_squared,
+    otb_inputs,
+    peak_extra_bytes,
+    time_cuda,
+)
 
 PROXY = dict(n=8192, d=3584, vocab=152064)
 PROXY_QUICK = dict(n=1000, d=64, vocab=5000)  # rows not a multiple of any chunk
@@ -86,35 +92,6 @@ class Recorder:
         if result is not None:
             self.emit({**labels, **result})
         return result
-
-
-def time_cuda(fn: Callable[[], object], repeats: int) -> dict:
-    """First call (wall clock, compilation included), then the median of ``repeats`` calls timed with CUDA events."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    first_ms = (time.perf_counter() - start) * 1e3
-    fn()  # a second warm-up: allocator and autotuning caches settled
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "first_call_ms": first_ms, "repeats": repeats}
-
-
-def peak_extra_bytes(fn: Callable[[], object]) -> int:
-    """Peak allocated memory during ``fn()`` beyond what was allocated before it (the inputs)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +288,7 @@ def bench_otb(rec: Recorder, quick: bool) -> None:
     repeats = 5 if quick else 50
     device = torch.device("cuda")
     for batch, length, group_size in OTB_SHAPES_QUICK if quick else OTB_SHAPES:
-        rewards, mask, index, log_probs, sum_pi_squared = _otb_inputs(batch, length, group_size, device)
+        rewards, mask, index, log_probs, sum_pi_squared = otb_inputs(batch, length, group_size, device)
         index_tensor = torch.tensor(index, device=device)
 
         def floor():

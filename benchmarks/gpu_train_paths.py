@@ -5,17 +5,17 @@
     python benchmarks/gpu_train_paths.py --only generation        # or: sampling | update
 
 Both phases run as train.py runs them: a 1-rank process group (NCCL on GPU, gloo on CPU), the policy
-wrapped by ``train.Policy`` and sharded by ``parallel.shard`` (FSDP2, bf16 parameters with fp32
+wrapped by ``train.Policy`` and sharded by ``distributed.shard`` (FSDP2, bf16 parameters with fp32
 reductions on GPU, fp32 on CPU).
 
 ``bench: "generation"`` — the built-in model of ``train.build_model_and_tokenizer`` with
 ``--hidden-size 1024 --num-layers 16`` (Qwen2, 64 heads of 16, 32 KV heads, 15-token vocabulary, ~250M
 parameters), 512 rows, left-padded prompts of 256-512 tokens (width 512), 512 new tokens each (EOS is an
-id that is never sampled, so every row runs to the cap), inside ``parallel.gathered_for_generation``:
+id that is never sampled, so every row runs to the cap), inside ``distributed.gathered_for_generation``:
 
 * ``old``: the model's forward with its growing cache, float64 sampling, a check after every token;
 * ``new_sampling``: the same forward, float32 sampling, a check every 16 tokens;
-* ``static_eager``: plus ``otb_ref.static_decode.StaticKVDecoder`` without CUDA graphs;
+* ``static_eager``: plus ``otb_train.static_decode.StaticKVDecoder`` without CUDA graphs;
 * ``static_graphs``: plus CUDA graphs (the fast path; capture time included).
 
 ``tokens_per_s`` = rows × new tokens / wall time of the whole ``generate`` call (prefill included).
@@ -55,21 +55,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import parallel  # noqa: E402
-import train  # noqa: E402
-from otb_ref.losses import clipped_policy_loss  # noqa: E402
-from otb_ref.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms  # noqa: E402
-from otb_ref.static_decode import StaticKVDecoder  # noqa: E402
+from harness import emit, sync
+from otb_train import distributed
+from otb_train.config import Config
+from otb_train.losses import clipped_policy_loss
+from otb_train.model import Policy, build_model_and_tokenizer
+from otb_train.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
+from otb_train.static_decode import StaticKVDecoder
 
 H100_BF16_DENSE_TFLOPS = 989.0
 FULL = dict(
@@ -118,11 +115,6 @@ QUICK = dict(
 )
 
 
-def emit(record: dict) -> None:
-    """One JSON line on stdout, flushed."""
-    print(json.dumps(record), flush=True)
-
-
 def guarded(bench: str, case: str):
     """Context manager: an exception becomes an error record, and the benchmark goes on."""
 
@@ -154,13 +146,6 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def sync(device: torch.device) -> float:
-    """Wait for the device; return the wall clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def peak_gib(device: torch.device) -> float | None:
     """Peak device memory since the last reset, GiB (None on CPU)."""
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
@@ -171,7 +156,7 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def environment(env: parallel.Dist) -> dict:
+def environment(env: distributed.Dist) -> dict:
     """What ran: versions, device, attention backends."""
     import transformers
 
@@ -190,18 +175,20 @@ def environment(env: parallel.Dist) -> dict:
     return record
 
 
-def sharded_policy(lm: torch.nn.Module, env: parallel.Dist, checkpointing: bool) -> torch.nn.Module:
+def sharded_policy(lm: torch.nn.Module, env: distributed.Dist, checkpointing: bool) -> torch.nn.Module:
     """``train.Policy`` around ``lm``, sharded exactly as train.py shards it."""
     lm.eval()
     layers = [m for m in lm.modules() if type(m).__name__ in (getattr(lm, "_no_split_modules", None) or ())]
-    policy = train.Policy(lm, temperature=1.0, chunk_size=None)
-    return parallel.shard(policy, layers, env, bf16=env.device.type == "cuda", activation_checkpointing=checkpointing)
+    policy = Policy(lm, temperature=1.0, chunk_size=None)
+    return distributed.shard(
+        policy, layers, env, bf16=env.device.type == "cuda", activation_checkpointing=checkpointing
+    )
 
 
 # ----------------------------------------------------------------------------- sampling
 
 
-def bench_sampling(shape: dict, env: parallel.Dist) -> None:
+def bench_sampling(shape: dict, env: distributed.Dist) -> None:
     """float32 vs float64 agreement, split invariance and time of ``sample_tokens`` at a realistic vocabulary."""
     rows, vocab, device = shape["sample_rows"], shape["sample_vocab"], env.device
     generator = torch.Generator().manual_seed(0)
@@ -254,20 +241,22 @@ def generation_inputs(shape: dict, vocab: int, device: torch.device):
 def run_generation(policy, path: str, inputs, shape: dict, vocab: int, max_new_tokens: int):
     """One ``generate`` call of ``path`` inside ``gathered_for_generation``, as train.py calls it."""
     ids, mask, uniforms = inputs
-    options = dict(eos_token_ids=[vocab], pad_token_id=0, max_new_tokens=max_new_tokens, keep_going=parallel.any_rank)
+    options = dict(
+        eos_token_ids=[vocab], pad_token_id=0, max_new_tokens=max_new_tokens, keep_going=distributed.any_rank
+    )
     if path == "old":
         options.update(check_every=1, sample_dtype=torch.float64)
-    with parallel.gathered_for_generation(policy):
+    with distributed.gathered_for_generation(policy):
         forward = policy
         if path.startswith("static"):
             forward = StaticKVDecoder(policy, policy.lm, max_new_tokens, cuda_graphs=path == "static_graphs")
         return generate(forward, ids, mask, uniforms[:, :max_new_tokens], **options)
 
 
-def bench_generation(shape: dict, env: parallel.Dist, paths: list[str], profile: bool) -> None:
+def bench_generation(shape: dict, env: distributed.Dist, paths: list[str], profile: bool) -> None:
     """Tokens/s of each generation path on the built-in model shape."""
-    cfg = train.Config(hidden_size=shape["gen_hidden"], num_layers=shape["gen_layers"])
-    lm, tokenizer, _, _ = train.build_model_and_tokenizer(cfg)
+    cfg = Config(hidden_size=shape["gen_hidden"], num_layers=shape["gen_layers"])
+    lm, tokenizer, _, _ = build_model_and_tokenizer(cfg)
     vocab, params = len(tokenizer), sum(p.numel() for p in lm.parameters())
     policy = sharded_policy(lm, env, checkpointing=False)
     inputs = generation_inputs(shape, vocab, env.device)
@@ -320,7 +309,7 @@ def check_decoder(policy, inputs, cuda_graphs: bool, rows: int = 64, steps: int 
     full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
     positions = position_ids_from_mask(mask)
     diffs, agree, scale = [], 0, 0.0
-    with torch.no_grad(), parallel.gathered_for_generation(policy):
+    with torch.no_grad(), distributed.gathered_for_generation(policy):
         reference, cache = policy(ids, mask, positions, None)
         decoder = StaticKVDecoder(policy, policy.lm, steps, cuda_graphs=cuda_graphs)
         logits, state = decoder(ids, mask, positions, None)
@@ -431,7 +420,7 @@ def prepare_update(policy, shape, vocab, micro_rows, device, padded):
     return micro, old, advantages, tokens
 
 
-def bench_update(shape: dict, env: parallel.Dist, peak_tflops: float, profile: bool) -> None:
+def bench_update(shape: dict, env: distributed.Dist, peak_tflops: float, profile: bool) -> None:
     """Tokens/s and MFU of the update phase, with and without activation checkpointing."""
     device = env.device
     for checkpointing in (False, True):
@@ -650,7 +639,7 @@ def profile_decode(policy, inputs, path: str, env, warm_steps: int, steps: int =
     full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], total)], dim=1)
     positions = position_ids_from_mask(mask)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with torch.no_grad(), parallel.gathered_for_generation(policy):
+    with torch.no_grad(), distributed.gathered_for_generation(policy):
         forward = policy if path == "model_forward" else StaticKVDecoder(policy, policy.lm, total, cuda_graphs=False)
         logits, cache = forward(ids, mask, positions, None)
         next_position = positions[:, -1:] + 1
@@ -699,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     sections = args.only or ["sampling", "generation", "update"]
-    env = parallel.init("auto")
+    env = distributed.init("auto")
     try:
         emit(environment(env))
         if "sampling" in sections:
@@ -712,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
             with guarded("update", "setup"):
                 bench_update(shape, env, args.peak_tflops, profile=not args.no_profile)
     finally:
-        parallel.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

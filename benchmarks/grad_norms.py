@@ -20,15 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from otb_ref import row_grad_norms_sq  # noqa: E402
+from harness import machine, sync
+from otb_ref import row_grad_norms_sq
 
 CPU_CASES = [
     dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
@@ -112,11 +109,6 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[float, float | None
     return statistics.median(times), peak, result
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False) -> dict:
     model = build(case, device, dtype, checkpointing)
     rows, length = shape
@@ -191,14 +183,6 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
         ]
         record[name + "_total_device_ms"] = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
     return record
-
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name()
-    import os
-
-    return f"cpu x{torch.get_num_threads()} threads ({os.cpu_count()} cores visible)"
 
 
 def main(argv=None) -> None:

@@ -19,65 +19,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import otb_ref
+from harness import (
+    OTB_SHAPES,
+    OTB_SHAPES_QUICK,
+    emit,
+    machine,
+    median_seconds,
+    naive_logprobs_and_sum_pi_squared,
+    otb_inputs,
+)
 
-import otb_ref  # noqa: E402
-
-OTB_SHAPES = [(2048, 4096, 8), (16384, 512, 4)]
-OTB_SHAPES_QUICK = [(64, 128, 8), (256, 32, 4)]
 PROXY_SHAPE = dict(n=8192, d=256, vocab=32000)
 PROXY_SHAPE_QUICK = dict(n=256, d=32, vocab=1000)
-
-
-def _emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
-
-
-def _machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"cpu x{torch.get_num_threads()} threads ({os.cpu_count()} cores visible)"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------
 # (a) chunked proxy vs naive full logits
 # ---------------------------------------------------------------------------
-
-
-def naive_logprobs_and_sum_pi_squared(hidden, weight, targets):
-    """The usual path: the whole [N, V] logits matrix, log-softmax and softmax²."""
-    logits = (hidden @ weight.T).float()  # [N, V]
-    log_softmax = logits.log_softmax(-1)  # [N, V]
-    log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
-    sum_pi_squared = log_softmax.detach().exp().square().sum(-1)
-    return log_probs, sum_pi_squared
 
 
 def _proxy_inputs(n, d, vocab, dtype, device, requires_grad):
@@ -115,7 +80,7 @@ def _proxy_case(
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    seconds = _median_seconds(step, device, repeats)
+    seconds = median_seconds(step, device, repeats)
     return {"seconds": seconds, "peak_extra_bytes": peak}
 
 
@@ -145,13 +110,13 @@ def bench_proxy(quick: bool, device: torch.device) -> None:
                     str(repeats),
                 ]
                 results[path] = _run_proxy_case_in_subprocess(args)
-            _emit(
+            emit(
                 {
                     "bench": "proxy",
                     "mode": mode,
                     "dtype": dtype,
                     **shape,
-                    "machine": _machine(),
+                    "machine": machine(),
                     "naive_seconds": results["naive"]["seconds"],
                     "chunked_seconds": results["chunked"]["seconds"],
                     "naive_peak_mib": results["naive"]["peak_extra_bytes"] / 2**20,
@@ -186,19 +151,6 @@ def per_group_loop_otb(rewards, mask, index, old_log_probs, sum_pi_squared, epsi
     return (returns - baselines) * mask, returns
 
 
-def _otb_inputs(batch, length, group_size, device):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    lengths = torch.randint(1, length + 1, (batch,), generator=g)
-    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
-    rewards = torch.zeros(batch, length)
-    rewards[torch.arange(batch), lengths - 1] = torch.randint(0, 2, (batch,), generator=g).float()
-    probs = torch.rand(batch, length, generator=g).clamp(min=1e-3)
-    sum_pi_squared = (probs.square() + (1 - probs).square() / 4).clamp(max=1.0)  # consistent with π_y = probs
-    index = [row // group_size for row in range(batch)]
-    to = lambda x: x.to(device)  # noqa: E731
-    return to(rewards), to(mask), index, to(probs.log()), to(sum_pi_squared)
-
-
 def bench_otb(quick: bool, device: torch.device) -> None:
     repeats = 3 if quick else 5
     try:
@@ -208,7 +160,7 @@ def bench_otb(quick: bool, device: torch.device) -> None:
     import numpy as np
 
     for batch, length, group_size in OTB_SHAPES_QUICK if quick else OTB_SHAPES:
-        rewards, mask, index, log_probs, sum_pi_squared = _otb_inputs(batch, length, group_size, device)
+        rewards, mask, index, log_probs, sum_pi_squared = otb_inputs(batch, length, group_size, device)
         index_tensor = torch.tensor(index, device=device)
         cases = {
             "floor_reverse_cumsum": lambda: rewards.flip(-1).cumsum(-1).flip(-1),
@@ -220,14 +172,14 @@ def bench_otb(quick: bool, device: torch.device) -> None:
         if verl_otb is not None:
             index_np = np.array(index)
             cases["verl"] = lambda: verl_otb(rewards, mask, index_np, log_probs, sum_pi_squared, handle_zero_tail=False)
-        seconds = {name: _median_seconds(fn, device, repeats) for name, fn in cases.items()}
-        record = {"bench": "otb", "B": batch, "T": length, "N": group_size, "machine": _machine()}
+        seconds = {name: median_seconds(fn, device, repeats) for name, fn in cases.items()}
+        record = {"bench": "otb", "B": batch, "T": length, "N": group_size, "machine": machine()}
         record.update({f"{name}_seconds": value for name, value in seconds.items()})
         record["vectorised_over_floor"] = seconds["vectorised"] / seconds["floor_reverse_cumsum"]
         record["loop_over_vectorised"] = seconds["per_group_loop"] / seconds["vectorised"]
         if "verl" in seconds:
             record["verl_over_vectorised"] = seconds["verl"] / seconds["vectorised"]
-        _emit(record)
+        emit(record)
 
 
 def main() -> None:

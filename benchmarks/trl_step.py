@@ -23,19 +23,12 @@ from pathlib import Path
 
 import torch
 
+from harness import machine
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("trl_otb", ROOT / "examples" / "trl_otb.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    import os
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def train_once(kind: str, hidden: int, layers: int, length: int, steps: int, num_iterations: int) -> dict:

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from otb_train.model import load_tokenizer  # the tokenizer-loading rule of train.py
+
 WORDS = [f"w{i}" for i in range(24)]
 
 
@@ -51,19 +53,6 @@ def synthetic_dataset(rows: int = 64, seed: int = 0):
 def contains_answer(completions, answer, **kwargs):
     """TRL reward function: 1.0 when the completion contains the answer word."""
     return [float(word in completion.split()) for completion, word in zip(completions, answer)]
-
-
-def load_tokenizer(path: str):
-    """``AutoTokenizer``, except for a checkpoint whose tokenizer_config.json names a generic fast tokenizer: that
-    one loads exactly its tokenizer.json (transformers 5 would build the model type's own class, e.g. Qwen2's
-    byte-level pre-tokenizer, which encodes a word-level vocabulary to nothing). The same rule as train.py's."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config = Path(path) / "tokenizer_config.json"
-    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if named in ("PreTrainedTokenizerFast", "TokenizersBackend") and (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def parse_args(argv):

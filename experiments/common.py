@@ -11,7 +11,6 @@ from typing import NamedTuple
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "results"
 
 
@@ -72,7 +71,7 @@ class SyntheticSample(NamedTuple):
 
     prompt_ids: torch.Tensor  # [B, P] left-padded with the pad id 0
     prompt_mask: torch.Tensor  # [B, P] 0/1
-    rollout: object  # otb_ref.rollout.Rollout: response_ids, response_mask, finished
+    rollout: object  # otb_train.rollout.Rollout: response_ids, response_mask, finished
     texts: list[str]  # B decoded responses
     scores: list[float]  # B task rewards (0 without EOS)
 
@@ -81,15 +80,16 @@ class SyntheticSample(NamedTuple):
 def sample_synthetic(lm, problems, group_size: int, task: str, seed: int, step: int, max_new_tokens: int):
     """train.py's sampler on a built-in task: character tokenizer, temperature 1, the uniforms of ``(seed, step)``,
     the task's reward. Returns a :class:`SyntheticSample`."""
-    import train
-    from otb_ref.rollout import generate, sampling_uniforms
-    from otb_ref.tasks import CharTokenizer, synthetic_reward
+    from otb_train.data import left_pad
+    from otb_train.model import Policy
+    from otb_train.rollout import generate, sampling_uniforms
+    from otb_train.tasks import CharTokenizer, synthetic_reward
 
     tokenizer = CharTokenizer()
     rows = [tokenizer.encode(problem.prompt) for problem in problems for _ in range(group_size)]
-    prompt_ids, prompt_mask = train.left_pad(rows, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id)
     out = generate(
-        train.Policy(lm, temperature=1.0, chunk_size=None),
+        Policy(lm, temperature=1.0, chunk_size=None),
         prompt_ids,
         prompt_mask,
         sampling_uniforms(seed, step, len(rows), max_new_tokens),

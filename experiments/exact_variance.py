@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +33,9 @@ from typing import NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from common import new_figure, write_report  # noqa: E402
-
-from otb_ref import ESTIMATORS  # noqa: E402
-from otb_ref.exact import (  # noqa: E402
+from common import new_figure, write_report
+from otb_ref import ESTIMATORS
+from otb_ref.exact import (
     POPULATION_ESTIMATORS,
     SharedPolicy,
     TreePolicy,
@@ -52,6 +46,8 @@ from otb_ref.exact import (  # noqa: E402
     population_advantages,
     population_granularity,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Population estimators and group estimators: the library's own tables (otb_ref.exact.POPULATION_ESTIMATORS,
 # otb_ref.ESTIMATORS), in their order; two references are computed from the population moments.

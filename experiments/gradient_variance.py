@@ -29,20 +29,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import snapshots
 import torch
 from torch.func import functional_call, jacrev, vmap
 
+from common import RESULTS, new_figure, sample_synthetic, write_report
+from otb_ref import compute_advantages
+from otb_train.model import Policy
+from otb_train.rollout import position_ids_from_mask
+from otb_train.tasks import synthetic_problem
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import snapshots  # noqa: E402
-from common import RESULTS, new_figure, sample_synthetic, write_report  # noqa: E402
-
-import train  # noqa: E402
-from otb_ref import compute_advantages  # noqa: E402
-from otb_ref.rollout import position_ids_from_mask  # noqa: E402
-from otb_ref.tasks import synthetic_problem  # noqa: E402
 
 # name -> (otb_ref estimator, flags); None is REINFORCE without a baseline (advantage = return).
 ESTIMATORS = {
@@ -110,7 +107,7 @@ def sample_batch(lm, problems, group_size: int, replicate: int, max_new_tokens: 
     sequences = torch.cat([prompt_ids, out.response_ids], dim=1)
     attention = torch.cat([drawn.prompt_mask.bool(), out.response_mask], dim=1)
     with torch.no_grad():
-        policy = train.Policy(lm, 1.0, None)
+        policy = Policy(lm, 1.0, None)
         log_probs, sum_pi_squared = policy(
             sequences, attention, position_ids_from_mask(attention), targets=out.response_ids
         )
@@ -118,7 +115,7 @@ def sample_batch(lm, problems, group_size: int, replicate: int, max_new_tokens: 
 
 
 def _row_log_probs(lm, num_prompt: int, params: dict, row: torch.Tensor) -> torch.Tensor:
-    """log π(y_t) [T] of one row ``[L + T]`` (positions 0..L+T-1, as train.Policy gives an unpadded row)."""
+    """log π(y_t) [T] of one row ``[L + T]`` (positions 0..L+T-1, as Policy gives an unpadded row)."""
     logits = functional_call(lm, params, (row[None],), {"use_cache": False}).logits[0, num_prompt - 1 : -1]
     return logits.float().log_softmax(dim=-1).gather(-1, row[num_prompt:, None]).squeeze(-1)
 

@@ -29,20 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import snapshots
 import torch
 import transformers
 
+from common import RESULTS, new_figure, sample_synthetic, write_report
+from otb_ref.proxy import token_energy
+from otb_train.energies import exact_energies
+from otb_train.model import Policy
+from otb_train.rollout import position_ids_from_mask
+from otb_train.tasks import synthetic_problem
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import snapshots  # noqa: E402
-from common import RESULTS, new_figure, sample_synthetic, write_report  # noqa: E402
-
-import train  # noqa: E402
-from otb_ref.proxy import token_energy  # noqa: E402
-from otb_ref.rollout import position_ids_from_mask  # noqa: E402
-from otb_ref.tasks import synthetic_problem  # noqa: E402
 
 TASK = "copy_exact"
 SNAPSHOTS = ("init", "warm", "mid", "late")
@@ -87,12 +85,12 @@ def energies(lm, batch: dict) -> dict[str, np.ndarray]:
     lm64 = copy.deepcopy(lm).double().eval()
     with torch.no_grad():
         positions = position_ids_from_mask(attention)
-        log_probs, sum_pi_squared = train.Policy(lm64, 1.0, None)(
+        log_probs, sum_pi_squared = Policy(lm64, 1.0, None)(
             sequences, attention, positions, targets=batch["response_ids"]
         )
     w = token_energy(log_probs, sum_pi_squared) * mask  # [B, T] float64
-    exact = train.exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
-    sequence = train.exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
+    exact = exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
+    sequence = exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
     return {
         "w": w.numpy(),
         "W": w.cumsum(dim=1).mul(mask).numpy(),

@@ -51,11 +51,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+import warm_start
 
-import warm_start  # noqa: E402
-from common import machine_name, write_report  # noqa: E402
+from common import machine_name, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]
 QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]  # --quick (tests)

@@ -21,12 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import warm_start  # noqa: E402
 
 SNAPSHOT_ROOT = ROOT / "runs" / "snapshots"
 

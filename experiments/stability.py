@@ -28,15 +28,14 @@ Each finished run leaves a compact record in ``results/stability/``; the report 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+import reproduction
 
-import reproduction  # noqa: E402
-from common import new_figure, write_report  # noqa: E402
+from common import new_figure, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ARMS = {
     "grpo_n8": ["--estimator", "grpo", "--group-size", "8"],

@@ -11,7 +11,7 @@ rule) reach ``--target-reward`` on held-out prompts, checked every ``--eval-ever
 stated reward, not at a hand-picked step, makes the starting point a rule. ``warm_start.json`` in the
 output directory records the loss curve, every evaluation and the final reward.
 
-The tokenizer is the built-in character vocabulary (``otb_ref.tasks.CharTokenizer``: ids 0 pad, 1 EOS, then
+The tokenizer is the built-in character vocabulary (``otb_train.tasks.CharTokenizer``: ids 0 pad, 1 EOS, then
 ``0-9 + = space``) as a ``PreTrainedTokenizerFast``, so ``train.py --model`` encodes prompts to the same ids.
 """
 
@@ -25,14 +25,12 @@ from pathlib import Path
 
 import torch
 
+from common import sample_synthetic
+from otb_train.config import parse_config
+from otb_train.model import build_model_and_tokenizer
+from otb_train.tasks import CharTokenizer, synthetic_problem
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from common import sample_synthetic  # noqa: E402
-
-import train  # noqa: E402  (the built-in model recipe and the prompt stream)
-from otb_ref.tasks import CharTokenizer, synthetic_problem  # noqa: E402
 
 EVAL_SEED_OFFSET = 10_000  # held-out prompts: another seed of the same stream
 
@@ -97,7 +95,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    cfg = train.parse_config(
+    cfg = parse_config(
         [
             "--hidden-size",
             str(args.hidden_size),
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
             *map(str, args.copy_lengths),
         ]
     )
-    lm, tokenizer, _, _ = train.build_model_and_tokenizer(cfg)  # the built-in recipe, random init from --seed
+    lm, tokenizer, _, _ = build_model_and_tokenizer(cfg)  # the built-in recipe, random init from --seed
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0)
     lengths, max_new = tuple(args.copy_lengths), args.copy_lengths[1] + 8
     log, evals, started, step = [], [], time.perf_counter(), 0

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import parallel  # noqa: E402
-import train  # noqa: E402
+from otb_train import distributed
+from otb_train.config import Config
+from otb_train.energies import sequence_norms
+from otb_train.model import Policy, build_model_and_tokenizer
+from otb_train.rollout import position_ids_from_mask
 
 
 def batch(vocab: int):
@@ -30,30 +31,28 @@ def batch(vocab: int):
     mask = torch.ones(rows, response, dtype=torch.bool)
     mask[1::3, 4:] = False  # shorter responses
     attention[:, prompt:] = mask
-    return ids, attention, train.position_ids_from_mask(attention), ids[:, prompt:], mask.double()
+    return ids, attention, position_ids_from_mask(attention), ids[:, prompt:], mask.double()
 
 
 def main() -> None:
-    env = parallel.init("cpu")
+    env = distributed.init("cpu")
     results = {}
     for tied in (False, True):
         for checkpointing in (False, True):
-            cfg = train.Config(hidden_size=32, num_layers=2)
-            lm, _, _, _ = train.build_model_and_tokenizer(cfg)
+            cfg = Config(hidden_size=32, num_layers=2)
+            lm, _, _, _ = build_model_and_tokenizer(cfg)
             if tied:
                 lm.lm_head.weight = lm.model.embed_tokens.weight
                 lm.config.tie_word_embeddings = True
             lm = lm.double().eval()
             ids, attention, positions, response, mask = batch(lm.config.vocab_size)
-            reference = train.sequence_norms(
-                train.Policy(copy.deepcopy(lm), 1.0, None), ids, attention, positions, response, mask
-            )
+            reference = sequence_norms(Policy(copy.deepcopy(lm), 1.0, None), ids, attention, positions, response, mask)
             layers = [m for m in lm.modules() if type(m).__name__ in lm._no_split_modules]
-            policy = parallel.shard(
-                train.Policy(lm, 1.0, None), layers, env, bf16=False, activation_checkpointing=checkpointing
+            policy = distributed.shard(
+                Policy(lm, 1.0, None), layers, env, bf16=False, activation_checkpointing=checkpointing
             )
             rows = slice(env.rank * 4, env.rank * 4 + 4)
-            mine = train.sequence_norms(policy, ids[rows], attention[rows], positions[rows], response[rows], mask[rows])
+            mine = sequence_norms(policy, ids[rows], attention[rows], positions[rows], response[rows], mask[rows])
             gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
             dist.all_gather(gathered, mine)
             grads_set = any(p.grad is not None for p in policy.parameters())
@@ -68,7 +67,7 @@ def main() -> None:
             }
     if env.is_main:
         Path(sys.argv[1]).write_text(json.dumps(results))
-    parallel.shutdown(wait_for_peers=True)
+    distributed.shutdown(wait_for_peers=True)
 
 
 if __name__ == "__main__":

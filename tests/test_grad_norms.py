@@ -269,11 +269,13 @@ def test_embedding_norm_adds_repeated_tokens_before_squaring():
 
 
 def test_trainer_sequence_norms_equal_exact_on_left_padded_rows():
-    """train.sequence_norms (policy forward, positions from the mask) == otb_ref.exact on each unpadded row."""
-    sys.path.insert(0, str(ROOT))
-    import train
+    """sequence_norms (policy forward, positions from the mask) == otb_ref.exact on each unpadded row."""
+    from otb_train.config import Config
+    from otb_train.energies import exact_energies, sequence_norms
+    from otb_train.model import Policy, build_model_and_tokenizer
+    from otb_train.rollout import position_ids_from_mask
 
-    lm, _, _, _ = train.build_model_and_tokenizer(train.Config(hidden_size=32, num_layers=1))
+    lm, _, _, _ = build_model_and_tokenizer(Config(hidden_size=32, num_layers=1))
     lm = lm.double()
     gen = torch.Generator().manual_seed(9)
     ids = torch.randint(2, lm.config.vocab_size, (4, 9), generator=gen)
@@ -283,10 +285,10 @@ def test_trainer_sequence_norms_equal_exact_on_left_padded_rows():
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[2, 3:] = False
     attention[:, 4:] = mask
-    positions = train.position_ids_from_mask(attention)
-    policy = train.Policy(lm, 1.0, None)
-    got = train.sequence_norms(policy, ids, attention, positions, ids[:, 4:], mask.double())
-    expected = train.exact_energies("eob", lm, ids, attention, mask, 1.0)["grad_norms_sq"]
+    positions = position_ids_from_mask(attention)
+    policy = Policy(lm, 1.0, None)
+    got = sequence_norms(policy, ids, attention, positions, ids[:, 4:], mask.double())
+    expected = exact_energies("eob", lm, ids, attention, mask, 1.0)["grad_norms_sq"]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
 

@@ -8,6 +8,7 @@ behaviour (exit codes, one-line errors, the progress bar, torchrun) is tested in
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import otb_ref.spec
+from otb_ref import ESTIMATORS
+from otb_train import checkpoints, distributed
+from otb_train.config import TOKENIZER_FILES, UserError, parse_config
+from otb_train.data import check_prompts, encode_prompt, problem_at
+from otb_train.energies import exact_energies
+from otb_train.model import load_tokenizer
+from otb_train.tasks import Problem
 
-import otb_ref.spec  # noqa: E402
-import parallel  # noqa: E402
-import train  # noqa: E402
-from otb_ref import ESTIMATORS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+# train.py's entry point, run as a script (train.py is a program: nothing imports it)
+main = runpy.run_path(str(ROOT / "train.py"), run_name="train_script")["main"]
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4"]
 # Seed 3 with 8 x 8 responses gives rewards in several groups at steps 1-2, so the
@@ -115,7 +121,7 @@ def test_python_train_py_runs_and_writes_metrics_and_a_checkpoint(tmp_path):
         assert REQUIRED_KEYS <= set(record)
         assert record["response_length_max"] <= 8 and 1 <= record["response_length_mean"] <= 8
     assert records[1]["tokens"] == records[0]["tokens"] + round(records[1]["response_length_mean"] * 16)
-    assert parallel.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert checkpoints.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_00000002"
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]  # step 1 pruned
     assert json.loads((tmp_path / "run" / "config.json").read_text())["estimator"] == "otb"
 
@@ -147,7 +153,7 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
         torchrun=True,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    train.main(
+    main(
         [
             *common,
             "--micro-batch-size",
@@ -184,7 +190,7 @@ def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     math_data = tmp_path / "math.jsonl"
     math_data.write_text('{"prompt": "12+30=", "answer": "42"}\n{"prompt": "What is 2+2?", "answer": "4"}\n')
     no_tokenizer = _tiny_hf_checkpoint(tmp_path / "no_tokenizer")
-    for name in train.TOKENIZER_FILES + ("special_tokens_map.json",):
+    for name in TOKENIZER_FILES + ("special_tokens_map.json",):
         (no_tokenizer / name).unlink(missing_ok=True)
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": 4\n')
@@ -255,17 +261,17 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert "--nproc_per_node=1" in parallel.device_problem("auto")
-    assert parallel.device_problem("cpu") is None
+    assert "--nproc_per_node=1" in distributed.device_problem("auto")
+    assert distributed.device_problem("cpu") is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert parallel.device_problem("auto") is None
+    assert distributed.device_problem("auto") is None
 
 
 def test_existing_run_directory_needs_resume(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
-    with pytest.raises(train.UserError, match="--resume"):
-        train.main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="--resume"):
+        main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")])
 
 
 # --------------------------------------------------------------------------- in-process runs
@@ -279,20 +285,20 @@ def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, caps
     drop the line, and continue from step 2.
     """
     common = [*SMALL, "--steps", "4"]
-    train.main([*common, "--output-dir", str(tmp_path / "straight")])
-    train.main([*common, "--output-dir", str(tmp_path / "resumed"), "--debug-stop-after", "2"])
+    main([*common, "--output-dir", str(tmp_path / "straight")])
+    main([*common, "--output-dir", str(tmp_path / "resumed"), "--debug-stop-after", "2"])
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2]
-    checkpoints = tmp_path / "resumed" / "checkpoints"
-    (checkpoints / "step_00000003").mkdir()
-    (checkpoints / "step_00000003" / ".metadata").write_text("torn write")
-    (checkpoints / "step_00000004.tmp").mkdir()
-    assert parallel.latest_checkpoint(tmp_path / "resumed") == checkpoints / "step_00000002"
+    saved = tmp_path / "resumed" / "checkpoints"
+    (saved / "step_00000003").mkdir()
+    (saved / "step_00000003" / ".metadata").write_text("torn write")
+    (saved / "step_00000004.tmp").mkdir()
+    assert checkpoints.latest_checkpoint(tmp_path / "resumed") == saved / "step_00000002"
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as file:
         file.write(json.dumps({"step": 3, "tokens": -1}) + "\n")
     with pytest.raises(RuntimeError, match="incomplete"):
-        parallel.load_checkpoint(checkpoints / "step_00000003", None, None, {}, None)
+        checkpoints.load_checkpoint(saved / "step_00000003", None, None, {}, None)
     capsys.readouterr()
-    train.main([*common, "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    main([*common, "--output-dir", str(tmp_path / "resumed"), "--resume"])
     assert "resumed from step_00000002" in capsys.readouterr().err
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -301,7 +307,7 @@ def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, caps
 
 
 def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path, capsys):
-    train.main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "fresh"), "--resume"])
+    main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "fresh"), "--resume"])
     assert "no complete checkpoint found" in capsys.readouterr().err
     assert [r["step"] for r in metrics(tmp_path / "fresh")] == [1]
 
@@ -309,7 +315,7 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path, capsys):
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_every_estimator_runs_a_step(tmp_path, estimator):
     extra = ["--leave-one-out"] if estimator in ("otb", "grpo") else []
-    train.main([*TINY, "--steps", "1", "--estimator", estimator, *extra, "--output-dir", str(tmp_path / estimator)])
+    main([*TINY, "--steps", "1", "--estimator", estimator, *extra, "--output-dir", str(tmp_path / estimator)])
     (record,) = metrics(tmp_path / estimator)
     assert record["skipped"] == 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
@@ -318,7 +324,7 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
     """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward."""
     runs = {}
     for name, extra in (("forward", []), ("static", ["--static-decode"])):
-        train.main(
+        main(
             [
                 *SMALL,
                 "--steps",
@@ -337,7 +343,7 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
 
 
 def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):
-    train.main(
+    main(
         [
             *SMALL,
             "--steps",
@@ -407,7 +413,7 @@ def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
     model = _tiny_hf_checkpoint(tmp_path / "model")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {a}+{a * 7}?", "answer": 8 * a}) + "\n" for a in range(12)))
-    train.main(
+    main(
         [
             "--model",
             str(model),
@@ -438,7 +444,7 @@ def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
 
 
 def test_exact_energies_match_unpadded_rows():
-    """train.exact_energies on left-padded rows equals otb_ref.exact on each row without its padding."""
+    """exact_energies on left-padded rows equals otb_ref.exact on each row without its padding."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
@@ -460,8 +466,8 @@ def test_exact_energies_match_unpadded_rows():
     )  # prompt 5 columns (row 0 left-padded by 2), response 2
     attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     mask = attention[:, 5:].clone()  # row 1's response is one token (then padding)
-    seq = train.exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
-    cum = train.exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
+    seq = exact_energies("eob", lm, sequences, attention, mask, 1.0)["grad_norms_sq"]
+    cum = exact_energies("otb_exact", lm, sequences, attention, mask, 1.0)["cumulative_energy"]
     for row, real in ((0, slice(2, 7)), (1, slice(0, 6))):
         ids = sequences[row : row + 1, real]
         response = torch.cat([torch.zeros(1, 5 - real.start, dtype=torch.long), mask[row : row + 1].long()], dim=1)[
@@ -494,13 +500,13 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_real_model_defaults_apply_unless_flags_are_given(tmp_path):
     model = _tiny_hf_checkpoint(tmp_path / "model")
-    cfg = train.parse_config(["--model", str(model)])
+    cfg = parse_config(["--model", str(model)])
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch_size) == (1e-6, 1024, 8)
-    cfg = train.parse_config(["--model", str(model), "--lr", "3e-6", "--max-new-tokens", "64"])
+    cfg = parse_config(["--model", str(model), "--lr", "3e-6", "--max-new-tokens", "64"])
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch_size) == (3e-6, 64, 8)
-    assert train.parse_config([]).lr == 1e-3 and train.parse_config(["--long-horizon"]).max_new_tokens == 512
-    assert train.parse_config(["--long-horizon"]).copy_lengths == (63, 511)
-    assert train.parse_config(["--token-budget", "100"]).steps == 1_000_000
+    assert parse_config([]).lr == 1e-3 and parse_config(["--long-horizon"]).max_new_tokens == 512
+    assert parse_config(["--long-horizon"]).copy_lengths == (63, 511)
+    assert parse_config(["--token-budget", "100"]).steps == 1_000_000
 
 
 def test_tokenizer_without_eos_is_refused(tmp_path):
@@ -514,8 +520,8 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
         path = model / name
         if path.exists():
             path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": None}))
-    with pytest.raises(train.UserError, match="EOS"):
-        train.main(["--model", str(model), "--output-dir", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="EOS"):
+        main(["--model", str(model), "--output-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
 
 
@@ -526,22 +532,22 @@ def test_prompt_that_encodes_to_nothing_is_refused():
         def __call__(self, text):
             return {"input_ids": []}
 
-    cfg = train.parse_config(["--data", __file__])  # any existing file: only the path is checked here
-    with pytest.raises(train.UserError, match=r":7: the prompt encodes to no tokens"):
-        train.check_prompts(cfg, [train.Problem("", "1")], [7], EmptyTokenizer())
+    cfg = parse_config(["--data", __file__])  # any existing file: only the path is checked here
+    with pytest.raises(UserError, match=r":7: the prompt encodes to no tokens"):
+        check_prompts(cfg, [Problem("", "1")], [7], EmptyTokenizer())
 
 
 def test_resume_refuses_changed_run_flags_and_keeps_the_first_config(tmp_path, capsys):
     run = tmp_path / "run"
-    train.main([*TINY, "--steps", "1", "--output-dir", str(run)])
+    main([*TINY, "--steps", "1", "--output-dir", str(run)])
     config = (run / "config.json").read_text()
     changed = ["--lr", "0.002", "--seed", "1", "--estimator", "grpo"]
-    with pytest.raises(train.UserError) as error:
-        train.main([*TINY, "--steps", "2", *changed, "--output-dir", str(run), "--resume"])
+    with pytest.raises(UserError) as error:
+        main([*TINY, "--steps", "2", *changed, "--output-dir", str(run), "--resume"])
     for flag in ("--lr 0.001 -> 0.002", "--seed 0 -> 1", "--estimator 'otb' -> 'grpo'"):
         assert flag in str(error.value)
-    with pytest.raises(train.UserError, match="--hidden-size 64 -> 96"):
-        train.main([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
+    with pytest.raises(UserError, match="--hidden-size 64 -> 96"):
+        main([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
     assert (run / "config.json").read_text() == config
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
     assert [r["step"] for r in metrics(run)] == [1]
@@ -551,8 +557,8 @@ def test_extending_steps_on_resume_keeps_the_schedule_and_records_the_change(tmp
     """--steps 2, then --steps 4 --resume: config.json keeps steps 2, the history records 2 -> 4, and steps 3-4
     run at --min-lr-ratio x --lr (the cosine's horizon stays the first start's --steps)."""
     run, common = tmp_path / "run", [*TINY, "--warmup-steps", "0", "--output-dir", str(tmp_path / "run")]
-    train.main([*common, "--steps", "2"])
-    train.main([*common, "--steps", "4", "--resume", "--save-every", "3"])
+    main([*common, "--steps", "2"])
+    main([*common, "--steps", "4", "--resume", "--save-every", "3"])
     assert "extends the run past its first --steps 2" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["steps"] == 2
     history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
@@ -561,14 +567,14 @@ def test_extending_steps_on_resume_keeps_the_schedule_and_records_the_change(tmp
     lrs = [r["lr"] for r in metrics(run)]
     assert lrs[0] == 1e-3 and lrs[2] == lrs[3] == pytest.approx(0.1 * 1e-3, rel=1e-12)
     capsys.readouterr()
-    train.main([*common, "--steps", "4", "--resume"])
+    main([*common, "--steps", "4", "--resume"])
     assert "nothing to do" in capsys.readouterr().err
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 2
 
 
 def test_default_output_dir_is_recorded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    train.main([*TINY, "--steps", "1"])
+    main([*TINY, "--steps", "1"])
     (run,) = (tmp_path / "runs").iterdir()
     assert json.loads((run / "config.json").read_text())["output_dir"] == f"runs/{run.name}"
 
@@ -578,7 +584,7 @@ def test_samples_summary_and_new_metrics(tmp_path, capsys):
     zero-variance groups in their ranges, and the truncation warning (a 2-token cap cuts most responses)."""
     run = tmp_path / "run"
     args = [*TINY, "--steps", "3", "--sample-every", "2", "--num-samples", "3", "--max-new-tokens", "2"]
-    train.main([*args, "--output-dir", str(run)])
+    main([*args, "--output-dir", str(run)])
     err = capsys.readouterr().err
     assert "step 1: " in err and "hit --max-new-tokens 2" in err and "config: steps=3" in err
     (summary,) = [line for line in err.splitlines() if line.startswith("train.py: done: steps 1-3")]
@@ -593,13 +599,13 @@ def test_samples_summary_and_new_metrics(tmp_path, capsys):
 
 def test_token_budget_stops_the_run_and_shapes_the_schedule(tmp_path):
     run = tmp_path / "run"
-    train.main([*TINY, "--token-budget", "200", "--warmup-steps", "0", "--output-dir", str(run)])
+    main([*TINY, "--token-budget", "200", "--warmup-steps", "0", "--output-dir", str(run)])
     records = metrics(run)
     assert records[-1]["tokens"] >= 200 > records[-2]["tokens"]
     for before, record in zip([{"tokens": 0}, *records], records):  # cosine in tokens generated before the step
         progress = min(1.0, before["tokens"] / 200)
         assert record["lr"] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))), rel=1e-12)
-    assert parallel.latest_checkpoint(run).name == f"step_{len(records):08d}"
+    assert checkpoints.latest_checkpoint(run).name == f"step_{len(records):08d}"
 
 
 def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
@@ -607,7 +613,7 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
     σ the std of G_t pooled within positions (THEORY §3); groups with equal rewards are unchanged."""
     dumps = {}
     for name, extra in (("plain", []), ("std", ["--std-normalize"])):
-        train.main(
+        main(
             [
                 *SMALL,
                 "--steps",
@@ -638,14 +644,14 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
 
 
 def test_copy_lengths_sets_the_answer_lengths():
-    cfg = train.parse_config(["--copy-lengths", "5", "9"])
-    lengths = {len(train.problem_at(cfg, None, i).answer) for i in range(200)}
-    assert lengths == set(range(5, 10)) and len(train.problem_at(cfg, None, 0).prompt) == 10
+    cfg = parse_config(["--copy-lengths", "5", "9"])
+    lengths = {len(problem_at(cfg, None, i).answer) for i in range(200)}
+    assert lengths == set(range(5, 10)) and len(problem_at(cfg, None, 0).prompt) == 10
 
 
 def test_tensorboard_scalars_are_written(tmp_path):
     pytest.importorskip("tensorboard")
-    train.main([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
+    main([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
     (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
     assert events.stat().st_size > 0
 
@@ -675,15 +681,15 @@ def test_character_tokenizer_of_a_qwen2_checkpoint_keeps_spaces(tmp_path):
     sys.path.insert(0, str(ROOT / "experiments"))
     import warm_start
 
-    from otb_ref.tasks import CharTokenizer
+    from otb_train.tasks import CharTokenizer
 
     model = _tiny_hf_checkpoint(tmp_path / "model")
     for file in model.iterdir():
         if "token" in file.name or "chat" in file.name:
             file.unlink()
     warm_start.char_tokenizer_for_hf().save_pretrained(model)
-    tokenizer = train.load_tokenizer(str(model))
-    assert train.encode_prompt(tokenizer, "37  =") == CharTokenizer().encode("37  =")
+    tokenizer = load_tokenizer(str(model))
+    assert encode_prompt(tokenizer, "37  =") == CharTokenizer().encode("37  =")
     assert tokenizer.decode([5, 9, 14, 1, 0], skip_special_tokens=True) == "37 "
 
 
@@ -692,7 +698,7 @@ def test_no_baseline_control_gives_the_return_and_update_norm_is_the_parameter_c
     generated token); a step that has a gradient reports a positive update_norm."""
     run, dump = tmp_path / "run", tmp_path / "dump"
     flags = [*SMALL, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--no-baseline"]
-    train.main([*flags, "--output-dir", str(run), "--debug-dump", str(dump)])
+    main([*flags, "--output-dir", str(run), "--debug-dump", str(dump)])
     rows = debug_rows(dump, 1, 1)
     assert float(rows["rewards"].abs().sum()) > 0  # some response scored, so the test is not vacuous
     expected = rows["rewards"][:, None] * rows["mask"].to(rows["advantages"].dtype)

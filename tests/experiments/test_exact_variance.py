@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
-import exact_variance as ev  # noqa: E402
+import exact_variance as ev
 
 TOL = 1e-9
 

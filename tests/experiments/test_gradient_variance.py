@@ -9,15 +9,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-import gradient_variance as gv  # noqa: E402
+import gradient_variance as gv
 
-import train  # noqa: E402
-from otb_ref import compute_advantages  # noqa: E402
-from otb_ref.rollout import position_ids_from_mask  # noqa: E402
-from otb_ref.tasks import synthetic_problem  # noqa: E402
+from otb_ref import compute_advantages
+from otb_train.config import Config
+from otb_train.energies import exact_energies
+from otb_train.model import Policy, build_model_and_tokenizer
+from otb_train.rollout import position_ids_from_mask
+from otb_train.tasks import synthetic_problem
 
 SIZES = (2, 4)
 
@@ -35,7 +36,7 @@ def one_thread():
 def tiny(one_thread):
     """A 1-layer random-init Qwen2 and 2 prompts x 4 sampled responses, with random rewards on the last token."""
     torch.manual_seed(0)
-    lm, *_ = train.build_model_and_tokenizer(train.Config(hidden_size=32, num_layers=1))
+    lm, *_ = build_model_and_tokenizer(Config(hidden_size=32, num_layers=1))
     lm.config._attn_implementation = "eager"
     lm.eval()
     problems = [synthetic_problem("copy", 0, i, copy_lengths=(2, 3)) for i in range(2)]
@@ -48,12 +49,12 @@ def tiny(one_thread):
 
 def direct_gradients(lm, sample, n: int) -> dict[str, torch.Tensor]:
     """Autograd of the token-mean surrogate over the first n responses of every group, for every estimator, with
-    the library's advantages on the whole batch at once (exact energies: otb_ref.exact via train.exact_energies)."""
+    the library's advantages on the whole batch at once (exact energies: otb_ref.exact via exact_energies)."""
     rows = torch.cat([torch.arange(s, s + n) for s in range(0, len(sample.mask), sample.group_size)])
     sequences, mask, rewards = sample.sequences[rows], sample.mask[rows], sample.rewards[rows]
     attention = torch.cat([torch.ones(len(rows), sample.num_prompt, dtype=torch.bool), mask], dim=1)
     targets = sequences[:, sample.num_prompt :]
-    log_probs, _ = train.Policy(lm, 1.0, None)(sequences, attention, position_ids_from_mask(attention), targets=targets)
+    log_probs, _ = Policy(lm, 1.0, None)(sequences, attention, position_ids_from_mask(attention), targets=targets)
     out = {}
     for name, (estimator, flags) in gv.ESTIMATORS.items():
         if estimator is None:
@@ -61,7 +62,7 @@ def direct_gradients(lm, sample, n: int) -> dict[str, torch.Tensor]:
         else:
             extra = {"old_log_probs": sample.old_log_probs[rows], "sum_pi_squared": sample.sum_pi_squared[rows]}
             if estimator in ("eob", "otb_exact"):
-                extra = train.exact_energies(estimator, lm, sequences, attention, mask, 1.0)
+                extra = exact_energies(estimator, lm, sequences, attention, mask, 1.0)
             advantages = compute_advantages(estimator, rewards, mask, rows // sample.group_size, **extra, **flags)[0]
         surrogate = (advantages * log_probs * mask).sum() / mask.sum()
         grads = torch.autograd.grad(surrogate, list(lm.parameters()), retain_graph=True)
@@ -88,7 +89,7 @@ def test_prefix_energies_equal_otb_ref_exact(tiny):
     jacobians = gv.token_jacobians(lm, sample.sequences[rows], mask, sample.num_prompt, chunk=3)
     attention = torch.ones_like(sample.sequences[rows], dtype=torch.bool)
     attention[:, sample.num_prompt :] = sample.mask[rows]
-    exact = train.exact_energies("otb_exact", lm, sample.sequences[rows], attention, sample.mask[rows], 1.0)
+    exact = exact_energies("otb_exact", lm, sample.sequences[rows], attention, sample.mask[rows], 1.0)
     assert torch.allclose(gv.prefix_energies(jacobians, mask), exact["cumulative_energy"], rtol=1e-4, atol=1e-6)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
-import proxy_fidelity  # noqa: E402
+import proxy_fidelity
 
 
 def test_quick_run_writes_the_report_and_respects_f6(tmp_path):

@@ -5,14 +5,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-import reproduction  # noqa: E402
-import warm_start  # noqa: E402
+import reproduction
+import warm_start
 
-import train  # noqa: E402
-from otb_ref.tasks import CharTokenizer  # noqa: E402
+from otb_train.config import parse_config
+from otb_train.data import encode_prompt
+from otb_train.model import build_model_and_tokenizer, load_tokenizer
+from otb_train.tasks import CharTokenizer
 
 
 def test_warm_start_writes_a_checkpoint_that_train_py_loads(tmp_path):
@@ -38,10 +39,10 @@ def test_warm_start_writes_a_checkpoint_that_train_py_loads(tmp_path):
             "0.99",
         ]
     )
-    tokenizer = train.load_tokenizer(str(out))
-    assert train.encode_prompt(tokenizer, "12 =") == CharTokenizer().encode("12 =")
-    cfg = train.parse_config(["--model", str(out)])
-    lm, _, eos, pad = train.build_model_and_tokenizer(cfg)
+    tokenizer = load_tokenizer(str(out))
+    assert encode_prompt(tokenizer, "12 =") == CharTokenizer().encode("12 =")
+    cfg = parse_config(["--model", str(out)])
+    lm, _, eos, pad = build_model_and_tokenizer(cfg)
     assert eos == [1] and pad == 0 and lm.config.vocab_size == len(CharTokenizer())
     rewards = [e["sampled_reward"] for e in record["evaluations"]]
     assert all(0 <= r <= 1 for r in rewards) and len(record["loss"]) == record["steps_run"]

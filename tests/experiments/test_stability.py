@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
-import stability  # noqa: E402
+import stability
 
 
 def test_stability_quick_records_and_reports_every_arm(tmp_path):

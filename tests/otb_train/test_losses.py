@@ -1,11 +1,11 @@
-"""otb_ref.losses: aggregation with global normalisers, the clipped surrogate, KL estimators."""
+"""otb_train.losses: aggregation with global normalisers, the clipped surrogate, KL estimators."""
 
 import math
 
 import pytest
 import torch
 
-from otb_ref.losses import AGGREGATIONS, aggregate, clipped_policy_loss, kl_penalty
+from otb_train.losses import AGGREGATIONS, aggregate, clipped_policy_loss, kl_penalty
 
 
 def _batch(seed=0, rows=6, length=5):

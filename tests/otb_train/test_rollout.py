@@ -1,4 +1,4 @@
-"""otb_ref.rollout: inverse-CDF sampling, top-p, EOS and variable lengths, rank-layout invariance, KV-cache use."""
+"""otb_train.rollout: inverse-CDF sampling, top-p, EOS and variable lengths, rank-layout invariance, KV-cache use."""
 
 import functools
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from otb_ref.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
+from otb_train.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
 
 
 def test_inverse_cdf_picks_the_token_whose_interval_holds_u():

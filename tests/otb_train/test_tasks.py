@@ -1,8 +1,8 @@
-"""otb_ref.tasks: the math-answer verifier, the synthetic problems and their rewards."""
+"""otb_train.tasks: the math-answer verifier, the synthetic problems and their rewards."""
 
 import pytest
 
-from otb_ref.tasks import (
+from otb_train.tasks import (
     CharTokenizer,
     copy_reward,
     extract_answer,

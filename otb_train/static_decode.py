@@ -1,6 +1,6 @@
 """Decoding with a static KV cache, optionally replayed as CUDA graphs, for Llama-family models.
 
-:class:`StaticKVDecoder` is a ``ForwardFn`` for :func:`otb_ref.rollout.generate`:
+:class:`StaticKVDecoder` is a ``ForwardFn`` for :func:`otb_train.rollout.generate`:
 
 * **Prefill** goes through the caller's own forward (under FSDP2 that call
   also gathers the parameters, which ``parallel.gathered_for_generation``

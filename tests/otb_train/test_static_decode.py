@@ -1,4 +1,4 @@
-"""otb_ref.static_decode: the static-KV-cache decode step equals the model's own forward (CPU, fp32)."""
+"""otb_train.static_decode: the static-KV-cache decode step equals the model's own forward (CPU, fp32)."""
 
 import os
 import subprocess
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from otb_ref.rollout import generate, position_ids_from_mask, sampling_uniforms
-from otb_ref.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
+from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
+from otb_train.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,7 +130,7 @@ def test_more_decode_calls_than_max_new_tokens_is_an_error():
 
 _TRITON_CHECK = """
 import torch
-from otb_ref.static_decode import decode_attention
+from otb_train.static_decode import decode_attention
 generator = torch.Generator().manual_seed(0)
 shapes = [(3, 2, 2, 16, 40, 33), (2, 2, 7, 64, 50, 50), (2, 1, 3, 24, 20, 17)]
 for batch, kv_heads, group, dim, capacity, span in shapes:

@@ -1,0 +1,106 @@
+"""What every benchmark shares: the machine's name, timing, peak memory, JSON-line records and the inputs of the
+shapes that several benchmarks time. Speed targets and their ratios live in the benchmarks; this file only
+measures."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+# OTB advantage shapes (B rows, T positions, N per group), shared by the CPU (run.py) and CUDA (gpu.py) benchmarks.
+OTB_SHAPES = [(2048, 4096, 8), (16384, 512, 4)]
+OTB_SHAPES_QUICK = [(64, 128, 8), (256, 32, 4)]
+
+
+def machine(device: torch.device | None = None) -> str:
+    """The GPU's name, or ``"cpu x<threads> threads (<cores> cores visible)"``: every record names its machine."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu x{torch.get_num_threads()} threads ({os.cpu_count()} cores visible)"
+
+
+def emit(record: dict, out=None) -> None:
+    """One JSON line on stdout (flushed), and into the open file ``out`` when given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def sync(device: torch.device) -> float:
+    """Wait for the device; return the wall clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall-clock seconds of ``repeats`` calls after one warm-up, the device synchronised around each."""
+    fn()  # warm-up
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(sync(device) - start)
+    return statistics.median(times)
+
+
+def time_cuda(fn: Callable[[], object], repeats: int) -> dict:
+    """First call (wall clock, compilation included), then the median of ``repeats`` calls timed with CUDA events."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    fn()  # a second warm-up: allocator and autotuning caches settled
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "first_call_ms": first_ms, "repeats": repeats}
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak allocated CUDA memory during ``fn()`` beyond what was allocated before it (the inputs)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def naive_logprobs_and_sum_pi_squared(hidden, weight, targets):
+    """The usual path the chunked proxy is timed against: the whole [N, V] logits, log-softmax and softmax²."""
+    logits = (hidden @ weight.T).float()  # [N, V]
+    log_softmax = logits.log_softmax(-1)  # [N, V]
+    log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+    sum_pi_squared = log_softmax.detach().exp().square().sum(-1)
+    return log_probs, sum_pi_squared
+
+
+def otb_inputs(batch: int, length: int, group_size: int, device):
+    """Outcome rewards on the last token, random lengths, and log π / Σπ² consistent with each other:
+    ``(rewards, mask, index, log_probs, sum_pi_squared)`` for ``compute_advantages``."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
+    rewards = torch.zeros(batch, length)
+    rewards[torch.arange(batch), lengths - 1] = torch.randint(0, 2, (batch,), generator=g).float()
+    probs = torch.rand(batch, length, generator=g).clamp(min=1e-3)
+    sum_pi_squared = (probs.square() + (1 - probs).square() / 4).clamp(max=1.0)  # consistent with π_y = probs
+    index = [row // group_size for row in range(batch)]
+    to = lambda x: x.to(device)  # noqa: E731
+    return to(rewards), to(mask), index, to(probs.log()), to(sum_pi_squared)
