@@ -10,7 +10,8 @@ the same prompts and uniforms for every snapshot) and computes, on a float64 cop
 
 * the proxy: per-token energy ``w_t = 1 - 2 pi(y_t) + sum_v pi_v^2`` and its cumulative sum ``W_t``;
 * the exact energy ``||S_t||^2 = ||grad_theta sum_{s<=t} log pi(y_s)||^2`` over every parameter
-  (``otb_ref.exact.prefix_grad_norms_sq`` through ``train.exact_energies``), and ``||S||^2`` at the last token.
+  (``otb_ref.exact.prefix_grad_norms_sq_fp64`` through ``otb_train.energies.exact_energies``), and ``||S||^2`` at the
+  last token.
 
 Reported: Pearson and Spearman correlations of ``W_t`` vs ``||S_t||^2`` pooled over all tokens and within
 position; the least-squares scale ``c`` of ``||S_t||^2 ~ c W_t`` (through the origin) and its relative residual;
@@ -337,7 +338,7 @@ def report(records: dict, plan: Plan, seconds: float, out_dir: Path) -> Path:
         f"`W_t` nondecreasing in `t`: {check['W_nondecreasing']}; `w_t` in [{check['w_min']:.3g}, "
         f"{check['w_max']:.3g}] (F6: within [0, 2]); smallest exact energy {check['exact_min']:.3g}; "
         f"largest relative gap between `||S_t||²` at the last token and `||S||²` computed separately: "
-        f"{check['last_vs_sequence']:.2g} (exact energies stored in float32 by `train.exact_energies`).",
+        f"{check['last_vs_sequence']:.2g} (exact energies stored in float32 by `otb_train.energies.exact_energies`).",
         "",
         *what_this_shows(records),
     ]

@@ -1,6 +1,6 @@
 """Advantage estimators, fast: one family, two axes plus flags (THEORY.md §3, F7).
 
-The readable statement of the same numbers is :mod:`otb_ref.spec` (tested equal); the table of estimators is
+The readable statement of the same numbers is :mod:`otb_ref.readable` (tested equal); the table of estimators is
 :mod:`otb_ref.estimators`.
 
 Every estimator subtracts a weighted group mean of the return:
@@ -43,7 +43,7 @@ import torch
 from otb_ref import _checks
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
-from otb_ref.spec import generated_token_rank, group_std, returns_to_go, to_slots
+from otb_ref.readable import generated_token_rank, group_std, returns_to_go, to_slots
 
 __all__ = [
     "ESTIMATORS",
@@ -141,7 +141,7 @@ def _std_scale(
     epsilon: float,
 ) -> torch.Tensor:
     """``[B]`` factor ``1/(σ_g + ε)`` of std scaling, σ_g the group's std of what its baseline centres
-    (:func:`otb_ref.spec.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
+    (:func:`otb_ref.readable.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
     not ``apply`` [B] or the group's centred values do not differ (zero spread: no division of an ε residue by ε).
     """
     sd, spread = group_std(centred, alive, group, num_groups)
@@ -621,9 +621,9 @@ def compute_advantages(
         old_log_probs: ``[B, T]`` log π_old(y_t) (energy ``proxy``).
         sum_pi_squared: ``[B, T]`` Σ_v π_old(v)² in (0, 1] (energy ``proxy``).
         grad_norms_sq: ``[B]`` ``||S||²`` per response (``eob``), e.g. from
-            ``otb_ref.exact.sequence_grad_norms_sq``.
+            ``otb_ref.exact.sequence_grad_norms_sq_fp64``.
         cumulative_energy: ``[B, T]`` the realized energy ``W_t = ||S_t||²`` of
-            each prefix (``otb_exact``), e.g. from ``otb_ref.exact.prefix_grad_norms_sq``:
+            each prefix (``otb_exact``), e.g. from ``otb_ref.exact.prefix_grad_norms_sq_fp64``:
             the squared norm of the cumulative score, not a cumulative sum of per-token
             energies (F5).
         rollout_is_weights: ``[B, T]`` truncated IS weights ``ρ̄_t ≥ 0``;

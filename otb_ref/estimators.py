@@ -1,4 +1,4 @@
-"""The estimator table (THEORY §3): one table for compute_advantages, otb_ref.spec and otb_ref.exact.
+"""The estimator table (THEORY §3): one table for compute_advantages, otb_ref.readable and otb_ref.exact.
 
 Every estimator is a cell of granularity × energy, plus two flags:
 

@@ -23,7 +23,7 @@ before squaring: ``||G + H||² = ||G||² + ||H||² + 2⟨G, H⟩``, with e.g. fo
 Assumptions, checked where possible: rows do not interact (true of causal LMs with attention masks);
 every trainable parameter belongs directly to an ``nn.Linear``, an ``nn.Embedding`` or a norm layer (any
 other parameterised module raises); layer activations keep the row dimension first (``[B, ..., d]``).
-The result is exact, not an estimate: it equals ``otb_ref.exact.sequence_grad_norms_sq`` (which takes a
+The result is exact, not an estimate: it equals ``otb_ref.exact.sequence_grad_norms_sq_fp64`` (which takes a
 gradient per row with ``torch.func``) to rounding.
 """
 
@@ -60,7 +60,7 @@ def sequence_grad_norms_sq(
 ) -> torch.Tensor:
     """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` for every row, in one forward + backward (F3).
 
-    Same convention as :func:`otb_ref.exact.sequence_grad_norms_sq`: ``log π(y_t) =
+    Same convention as :func:`otb_ref.exact.sequence_grad_norms_sq_fp64`: ``log π(y_t) =
     log_softmax(logits[t − 1] / temperature)[y_t]``, θ = every parameter with ``requires_grad``, the
     model's default position ids, dropout off (eval mode during the call; each module's mode restored).
 

@@ -17,7 +17,7 @@ def exact_energies(
     otb_ref.exact uses the model's default positions 0..L-1, so each row is rotated to move its left
     padding to the end: then its real tokens sit at the same positions as in the policy's forward.
     """
-    from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
+    from otb_ref.exact import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
 
     num_prompt = sequences.shape[1] - mask.shape[1]
     left_pad = (~attention[:, :num_prompt]).sum(dim=1, keepdim=True)  # [B, 1]
@@ -26,8 +26,8 @@ def exact_energies(
     response = torch.cat([torch.zeros_like(attention[:, :num_prompt]), mask], dim=1)
     args = [lm] + [x.gather(1, index).long() for x in (sequences, response, attention)]
     if ESTIMATORS[estimator].granularity == "sequence":
-        return {"grad_norms_sq": sequence_grad_norms_sq(*args, temperature=temperature).float()}
-    rotated = prefix_grad_norms_sq(*args, temperature=temperature)  # [B, L] on the rotated grid
+        return {"grad_norms_sq": sequence_grad_norms_sq_fp64(*args, temperature=temperature).float()}
+    rotated = prefix_grad_norms_sq_fp64(*args, temperature=temperature)  # [B, L] on the rotated grid
     return {"cumulative_energy": torch.zeros_like(rotated).scatter_(1, index, rotated)[:, num_prompt:].float()}
 
 

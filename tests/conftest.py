@@ -50,8 +50,8 @@ def row_blocking(request):
 #   E1, E2) get e1/e2 and f5;
 # * a test cited for fact F<k> gets f<k> whatever its name: in the "Checked by" list of proofs/F<k>_*.md, or in
 #   the F<k> row of docs/THEORY.md §7 (where `::name` repeats the file of the id before it); e.g.
-#   tests/test_proxy.py::test_logit_gradient_identity gets f6. A citation marked E1/E2 (a list item starting
-#   with "E1:", or followed by "(E1)") also gets e1/e2.
+#   tests/test_otb_ref/test_proxy.py::test_logit_gradient_identity gets f6. A citation marked E1/E2 (a list item
+#   starting with "E1:", or followed by "(E1)") also gets e1/e2.
 _FACT_PREFIX = re.compile(r"^test_(f[1-7]|e[12])_")
 _CITATION = re.compile(r"`((?:tests/[\w/]+\.py)?::test_\w+)`(?:\s*\((E[12])\))?")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import otb_ref.spec
+import otb_ref.readable
 from otb_ref import ESTIMATORS
 from otb_train import checkpoints, distributed
 from otb_train.config import TOKENIZER_FILES, UserError, parse_config
@@ -447,7 +447,7 @@ def test_exact_energies_match_unpadded_rows():
     """exact_energies on left-padded rows equals otb_ref.exact on each row without its padding."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from otb_ref.exact import prefix_grad_norms_sq, sequence_grad_norms_sq
+    from otb_ref.exact import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
 
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM(
@@ -473,8 +473,8 @@ def test_exact_energies_match_unpadded_rows():
         response = torch.cat([torch.zeros(1, 5 - real.start, dtype=torch.long), mask[row : row + 1].long()], dim=1)[
             :, : ids.shape[1]
         ]
-        assert float(seq[row]) == pytest.approx(float(sequence_grad_norms_sq(lm, ids, response)[0]), rel=1e-5)
-        expected = prefix_grad_norms_sq(lm, ids, response)[0, 5 - real.start :]
+        assert float(seq[row]) == pytest.approx(float(sequence_grad_norms_sq_fp64(lm, ids, response)[0]), rel=1e-5)
+        expected = prefix_grad_norms_sq_fp64(lm, ids, response)[0, 5 - real.start :]
         assert torch.allclose(cum[row, : expected.shape[0]].double(), expected, rtol=1e-5)
 
 
@@ -630,7 +630,7 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
     plain, scaled, rewards = dumps["plain"]["advantages"], dumps["std"]["advantages"], dumps["plain"]["rewards"]
     mask = dumps["plain"]["mask"].double()
     returns = rewards.double()[:, None] * mask  # outcome reward at the last token: G_t = R while alive
-    sd, spread = otb_ref.spec.group_std(returns, mask, torch.arange(64) // 8)
+    sd, spread = otb_ref.readable.group_std(returns, mask, torch.arange(64) // 8)
     moved = 0
     for group in range(8):
         rows = slice(8 * group, 8 * group + 8)

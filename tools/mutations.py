@@ -51,7 +51,7 @@ MUTATIONS = [
     ),
     Mutation(
         "M7",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         "return w.sum(dim=-1), w.cumsum(dim=-1)",
         "return w.sum(dim=-1), w",
         "OTB weights (population and spec): per-token w_t instead of realized W_t",
@@ -76,7 +76,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Mrtg",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         "return (rewards * mask).flip(-1).cumsum(-1).flip(-1)",
         "return (rewards * mask).cumsum(-1)",
         "returns-to-go summed forward (reward so far)",
@@ -84,7 +84,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Mlen",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         'if spec.energy == "uniform":',
         'if spec.energy in ("uniform", "length"):',
         "energy length treated as uniform (population and spec): W_t = 1 instead of t, v = 1 instead of |y|",
@@ -92,7 +92,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Mseq",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         "return w.sum(dim=-1), w.cumsum(dim=-1)",
         "return w.amax(dim=-1), w.cumsum(dim=-1)",
         "sequence weight (population and spec): v = max_t w_t instead of Σ_t w_t",
@@ -174,7 +174,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Astd",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         "dof = (n - 1).clamp(min=0).sum(-1)  # [G]",
         "dof = n.sum(-1)  # [G]",
         "group std with divisor N instead of N − 1",
@@ -215,7 +215,7 @@ MUTATIONS = [
     ),
     Mutation(
         "Arank",
-        "otb_ref/spec.py",
+        "otb_ref/readable.py",
         "rank = mask.long().cumsum(dim=-1) - 1",
         "rank = mask.long().cumsum(dim=-1)",
         "multi-turn slots off by one",
@@ -237,6 +237,23 @@ MUTATIONS = [
         "zero tail also for tied longest responses",
         "f7",
     ),
+    # otb_ref/readable.py: the self-contained OTB function the README points to.
+    Mutation(
+        "Rotb_W",
+        "otb_ref/readable.py",
+        "W = w.cumsum(dim=-1)  # W_t, carried through holes",
+        "W = w  # W_t, carried through holes",
+        "otb_advantages: per-token w_t instead of realized W_t",
+        "f5",
+    ),
+    Mutation(
+        "Rotb_loo",
+        "otb_ref/readable.py",
+        "num, den = num - weight * G, den - weight",
+        "num, den = num - weight * G, den",
+        "otb_advantages: leave-one-out removes row i from the numerator only",
+        "f7",
+    ),
     # otb_ref/grad_norms.py: the one-pass ||S||² of the EOB (F3).
     Mutation(
         "Gcross",
@@ -250,13 +267,13 @@ MUTATIONS = [
 
 # The test suite each mutation runs against (paths that exist), minus the slow multi-process/benchmark tests.
 SUITE = [
-    "tests/exact",
-    "tests/test_advantages.py",
-    "tests/test_proxy.py",
-    "tests/test_grad_norms.py",
-    "tests/test_spec.py",
-    "tests/test_std_scaling.py",
-    "tests/test_verl_parity.py",
+    "tests/test_otb_ref/exact",
+    "tests/test_otb_ref/test_advantages.py",
+    "tests/test_otb_ref/test_proxy.py",
+    "tests/test_otb_ref/test_grad_norms.py",
+    "tests/test_otb_ref/test_readable.py",
+    "tests/test_otb_ref/test_std_scaling.py",
+    "tests/test_otb_ref/test_verl_parity.py",
 ]
 DESELECT = "not fsdp and not benchmark_command"
 

@@ -12,7 +12,7 @@
 ``python -m otb_ref.exact`` prints the exact variance table.
 """
 
-from otb_ref.exact.grad_norms import prefix_grad_norms_sq, sequence_grad_norms_sq
+from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
 from otb_ref.exact.groups import group_moments
 from otb_ref.exact.moments import (
     POPULATION_ESTIMATORS,
@@ -42,7 +42,7 @@ __all__ = [
     "population_advantages",
     "population_baseline",
     "population_granularity",
-    "prefix_grad_norms_sq",
+    "prefix_grad_norms_sq_fp64",
     "returns_to_go",
-    "sequence_grad_norms_sq",
+    "sequence_grad_norms_sq_fp64",
 ]

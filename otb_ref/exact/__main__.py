@@ -18,7 +18,7 @@ prints, computed exactly by enumeration:
 
 ``--out FILE`` also writes the same text, without the timing line, to ``FILE``
 (the committed copy is ``docs/exact_table.md``, written with the default
-settings; ``tests/exact/test_table.py`` checks that it is up to date).
+settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date).
 
 Nothing here is asserted: it is measured. The theorems are in ``proofs/``.
 """
@@ -97,10 +97,6 @@ def _population_markdown(results: dict[tuple[str, int], dict[str, float]]) -> st
         for (kind, horizon), r in results.items()
     ]
     return _markdown(header, rows)
-
-
-def population_table(vocab: int, horizons: list[int], seed: int) -> str:
-    return _population_markdown(population_results(vocab, horizons, seed))
 
 
 def group_results(
@@ -254,7 +250,7 @@ def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
     """Realized proxy energy W_t vs exact ||S_t||² on a tiny random-init Qwen2 (F6 approximation, measured)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from otb_ref.exact.grad_norms import prefix_grad_norms_sq
+    from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64
     from otb_ref.proxy import sum_pi_squared, token_energy
 
     rows = []
@@ -284,11 +280,11 @@ def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
         proxy = token_energy(log_probs, sum_pi_squared(logits)) * mask[:, 1:]
         zero = torch.zeros(batch, 1, dtype=torch.float64)
         realized = torch.cat([zero, proxy.cumsum(-1)], dim=1) * mask  # W_t [B, L]
-        exact_all = prefix_grad_norms_sq(model, ids, mask)  # ||S_t||², all parameters
+        exact_all = prefix_grad_norms_sq_fp64(model, ids, mask)  # ||S_t||², all parameters
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         model.lm_head.weight.requires_grad_(True)
-        exact_head = prefix_grad_norms_sq(model, ids, mask)  # LM-head weight only
+        exact_head = prefix_grad_norms_sq_fp64(model, ids, mask)  # LM-head weight only
         valid = mask.bool()
         positions = range(2, ids.shape[1])
         within = sum(_spearman(realized[:, t], exact_all[:, t]) for t in positions) / len(positions)

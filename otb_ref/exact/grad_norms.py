@@ -10,9 +10,9 @@ with ``π_j = softmax(z_{j−1} / temperature)``: token ``j`` is predicted from
 the logits at position ``j − 1``. θ is every parameter of the model with
 ``requires_grad=True`` (tied weights counted once).
 
-* :func:`sequence_grad_norms_sq` returns ``||S||²`` per row, ``[B]``: the
+* :func:`sequence_grad_norms_sq_fp64` returns ``||S||²`` per row, ``[B]``: the
   ``grad_norms_sq`` input of ``compute_advantages("eob", ...)`` (F3).
-* :func:`prefix_grad_norms_sq` returns ``||S_t||²`` at every position, ``[B, L]``,
+* :func:`prefix_grad_norms_sq_fp64` returns ``||S_t||²`` at every position, ``[B, L]``,
   zero where the response mask is 0: its response slice ``[:, -T:]`` (or
   whichever ``[B, T]`` columns hold the responses) is the ``cumulative_energy``
   input of ``compute_advantages("otb_exact", ...)`` (F5 with exact energies).
@@ -87,7 +87,7 @@ from torch.overrides import TorchFunctionMode
 from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
 from otb_ref.grad_norms import accepts_keyword, logits_of
 
-__all__ = ["sequence_grad_norms_sq", "prefix_grad_norms_sq"]
+__all__ = ["sequence_grad_norms_sq_fp64", "prefix_grad_norms_sq_fp64"]
 
 # Use torch.func.vmap over rows (False: always a plain loop over rows; the
 # tests run both paths).
@@ -96,7 +96,7 @@ _VMAP_ROWS = True
 _VMAP_ELEMENTS = 1 << 24
 
 
-def sequence_grad_norms_sq(
+def sequence_grad_norms_sq_fp64(
     model: nn.Module,
     input_ids: torch.Tensor,
     response_mask: torch.Tensor,
@@ -143,7 +143,7 @@ def sequence_grad_norms_sq(
     return out.to(input_ids.device)
 
 
-def prefix_grad_norms_sq(
+def prefix_grad_norms_sq_fp64(
     model: nn.Module,
     input_ids: torch.Tensor,
     response_mask: torch.Tensor,
@@ -154,15 +154,15 @@ def prefix_grad_norms_sq(
 
     ``out[b, t] = ||Σ_{j ≤ t} m_bj ∇_θ log π(y_bj)||²`` where
     ``m_bt = 1``, and exactly 0 where ``m_bt = 0`` (prompt, padding, holes).
-    At a row's last response position it equals :func:`sequence_grad_norms_sq`.
+    At a row's last response position it equals :func:`sequence_grad_norms_sq_fp64`.
 
     Args:
         model, input_ids, response_mask, attention_mask, temperature: as in
-            :func:`sequence_grad_norms_sq`.
+            :func:`sequence_grad_norms_sq_fp64`.
 
     Returns:
         ``[B, L]`` float64 on ``input_ids``' device (computed as in
-        :func:`sequence_grad_norms_sq`), on the same grid as ``input_ids``.
+        :func:`sequence_grad_norms_sq_fp64`), on the same grid as ``input_ids``.
         The ``[B, T]`` columns that hold the responses are the
         ``cumulative_energy`` input of
         ``compute_advantages("otb_exact", ..., cumulative_energy=...)``.

@@ -12,7 +12,7 @@ Population baselines are constants (one per position, or a single scalar for seq
     token      a_t = m_t (G_t − B_t),   B_t = E[m_t W_t G_t] / E[m_t W_t]
     sequence   a_t = m_t (R − b),       b   = E[v R] / E[v]
 
-with the energies of THEORY §3 (``v`` and ``W_t`` from :func:`otb_ref.spec.energies`, the same code as the
+with the energies of THEORY §3 (``v`` and ``W_t`` from :func:`otb_ref.readable.energies`, the same code as the
 group estimators), and the variance-optimal ``B**`` of F4: ``B**_t = E[m_t <s_t, ĝ_0>] / E[m_t ||s_t||²]``.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from otb_ref.estimators import Estimator, population_cells
 from otb_ref.exact.policies import Enumeration
-from otb_ref.spec import energies, returns_to_go  # G_t = Σ_{k≥t} m_k r_k, re-exported
+from otb_ref.readable import energies, returns_to_go  # G_t = Σ_{k≥t} m_k r_k, re-exported
 
 __all__ = [
     "Moments",

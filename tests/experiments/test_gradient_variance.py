@@ -82,7 +82,7 @@ def test_batch_gradients_equal_autograd_of_the_surrogate(tiny):
 
 
 def test_prefix_energies_equal_otb_ref_exact(tiny):
-    """||S_t||² from the Jacobian chunks equals otb_ref.exact.prefix_grad_norms_sq (float64, row by row)."""
+    """||S_t||² from the Jacobian chunks equals otb_ref.exact.prefix_grad_norms_sq_fp64 (float64, row by row)."""
     lm, sample = tiny
     rows = slice(0, sample.group_size)
     mask = sample.mask[rows].float()

@@ -45,6 +45,7 @@ from otb_ref.estimators import Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
 
 __all__ = [
+    "otb_advantages",
     "returns_to_go",
     "generated_token_rank",
     "to_slots",
@@ -56,6 +57,37 @@ __all__ = [
     "std_scaled",
     "advantages",
 ]
+
+
+def otb_advantages(rewards, mask, index, old_log_probs, sum_pi_squared, leave_one_out=False, epsilon=1e-8):
+    """The Optimal Token Baseline with the logit-gradient proxy, self-contained: advantages [B, T] in fp64.
+
+        w_t = 1 − 2 π(y_t) + Σ_v π_v²                       per-token energy (F6; π(y_t) = exp(old_log_probs))
+        W_t = Σ_{j ≤ t} m_j w_j                             realized energy up to token t
+        G_t = Σ_{k ≥ t} m_k r_k                             return to go
+        B_t = Σ_{j ∈ g} m_jt W_jt G_jt / (Σ_{j ∈ g} m_jt W_jt + ε)   per-position baseline over the group (F5)
+        A_t = (G_t − B_t) m_t
+
+    ``g`` is the responses with the same ``index`` (the same prompt); ``leave_one_out`` leaves row i out of its own
+    baseline (unbiased, F7). A group of one response gets no baseline; a denominator ``≤ 0`` gives 0. rewards,
+    mask, old_log_probs, sum_pi_squared: [B, T]; index: [B] prompt ids. Equal to ``compute_advantages("otb", ...)``
+    (tests/test_otb_ref/test_readable.py); :func:`advantages` adds the other estimators and options.
+    """
+    m = (mask != 0).double()  # values off the mask are ignored, whatever they are
+    r = torch.where(m > 0, rewards.double(), 0.0)
+    w = torch.where(m > 0, 1 - 2 * old_log_probs.double().exp() + sum_pi_squared.double(), 0.0)  # w_t
+    W = w.cumsum(dim=-1)  # W_t, carried through holes
+    G = r.flip(-1).cumsum(dim=-1).flip(-1)  # G_t
+    ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+    same = torch.tensor([[a == b for b in ids] for a in ids], dtype=torch.float64, device=m.device)  # [B, B]
+    weight = m * W  # [B, T] only tokens that exist take part
+    num, den = same @ (weight * G), same @ weight  # group sums at each position
+    if leave_one_out:
+        num, den = num - weight * G, den - weight
+    den = den + epsilon
+    baseline = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)  # B_t
+    baseline = torch.where(same.sum(dim=1, keepdim=True) >= 2, baseline, 0.0)  # groups of one: no baseline
+    return (G - baseline) * m
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

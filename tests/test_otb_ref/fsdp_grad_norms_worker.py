@@ -1,14 +1,17 @@
-"""torchrun worker for tests/test_grad_norms.py: per-row norms on an FSDP2-sharded policy equal the unsharded ones.
+"""torchrun worker for tests/test_otb_ref/test_grad_norms.py: per-row norms on an FSDP2-sharded policy equal the
+unsharded ones.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_grad_norms_worker.py OUT.json
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        tests/test_otb_ref/fsdp_grad_norms_worker.py OUT.json
 
-Each rank computes ``train.sequence_norms`` on its own rows of one batch, with and without activation
+Each rank computes ``otb_train.energies.sequence_norms`` on its own rows of one batch, with and without activation
 checkpointing, tied and untied embeddings; rank 0 writes the gathered norms, the unsharded reference and
 whether any parameter's ``.grad`` was set.
 """
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +70,10 @@ def main() -> None:
             }
     if env.is_main:
         Path(sys.argv[1]).write_text(json.dumps(results))
-    distributed.shutdown(wait_for_peers=True)
+    dist.barrier()  # rank 0 has written the results
+    # No teardown: on a loaded 2-core machine gloo's threads can abort the process at exit or in
+    # destroy_process_group ("terminate called without an active exception"), after the work is done.
+    os._exit(0)
 
 
 if __name__ == "__main__":

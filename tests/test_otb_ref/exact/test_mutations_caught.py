@@ -687,7 +687,9 @@ def _with_holes(case: PolicyCase) -> PolicyCase:
 def test_f7_leave_one_out_unbiased_with_holes_and_zero_epsilon(case, name, multi_turn, zero_tail):
     """F7 (a) for every ``ε >= 0``: ``ε = 0``, holes inside responses, multi-turn alignment and the zero tail.
 
-    Tolerance as test_f7_leave_one_out_unbiased (sums over <= 40³ multisets): 1e-10.
+    Tolerance as test_f7_leave_one_out_unbiased (sums over <= 40³ multisets), 1e-10, scaled by the estimator's
+    RMS size ``1 + sqrt(E||ĝ||²)``: with ``ε = 0`` a baseline is a ratio of tiny energies, and one random example gave
+    a bias of 1.02e-10 from rounding alone (an absolute 1e-10 then failed on a fresh clone).
     """
     holed = _with_holes(case)
     flags = dict(leave_one_out=True, std_normalize=False, epsilon=0.0)
@@ -695,7 +697,7 @@ def test_f7_leave_one_out_unbiased_with_holes_and_zero_epsilon(case, name, multi
         flags.update(multi_turn=multi_turn, handle_zero_tail=zero_tail)
     for group_size in (2, 3):
         moments = group_moments(holed.enum, holed.rewards, name, group_size, **flags)
-        assert moments.bias_norm < 1e-10, group_size
+        assert moments.bias_norm < 1e-10 * (1 + moments.second_moment**0.5), group_size
 
 
 def test_f7_holes_case_has_holes():
@@ -792,7 +794,7 @@ def test_f7_zero_epsilon_zero_energy_is_no_baseline_not_nan():
 def test_f7_zero_epsilon_with_holes_matches_loop(batch, name, leave_one_out, multi_turn, zero_tail):
     """ε = 0 (no guard in any denominator) with holes: compute_advantages equals the loop oracle, all finite.
 
-    Tolerance as tests/test_advantages.py (TOL): energies >= 6e-6 in these batches, leave-one-out
+    Tolerance as tests/test_otb_ref/test_advantages.py (TOL): energies >= 6e-6 in these batches, leave-one-out
     subtraction loses <= 1e-16 / 6e-6 relative; rtol = atol = 1e-9.
     """
     flags = dict(leave_one_out=leave_one_out, std_normalize=False, epsilon=0.0)

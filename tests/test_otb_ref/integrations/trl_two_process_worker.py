@@ -1,13 +1,14 @@
 """One rank of test_trl.py's two-process run (torchrun --nproc_per_node 2): OTBGRPOTrainer with 2 completions per
 process and 4 per prompt, so every prompt group spans both processes. Each rank saves its rollouts to OUT."""
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # test_trl and tests/optional.py
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[2])]  # test_trl and tests/optional.py
 import test_trl  # noqa: E402
 
 from otb_ref.integrations.trl import OTBGRPOTrainer  # noqa: E402
@@ -31,6 +32,10 @@ def main(out: Path, leave_one_out: bool) -> None:
         for r in records
     ]
     torch.save(saved, out / f"rank{rank}.pt")
+    dist.barrier()  # both files are written
+    # No teardown: on a loaded 2-core machine gloo's threads abort the process at interpreter exit or in
+    # destroy_process_group ("terminate called without an active exception"), after the work is done.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from otb_ref.integrations.trl import OTBGRPOTrainer, _outcome_at_last_token  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("trl_otb", Path(__file__).parents[2] / "examples" / "trl_otb.py")
+_spec = importlib.util.spec_from_file_location("trl_otb", Path(__file__).parents[3] / "examples" / "trl_otb.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 

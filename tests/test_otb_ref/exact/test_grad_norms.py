@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import otb_ref.exact.grad_norms as grad_norms
 from otb_ref import compute_advantages
-from otb_ref.exact.grad_norms import prefix_grad_norms_sq, sequence_grad_norms_sq
+from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
 
 # Both sides are float64 computations of the same function at the same
 # parameters; they differ only in the order of floating-point reductions
@@ -132,7 +132,7 @@ def references():
 def test_sequence_grad_norms_match_autograd_loop(model_name, references, row_path):
     ids, response, attention, refs = references
     model, (expected, _) = refs[model_name]
-    got = sequence_grad_norms_sq(model, ids, response, attention, temperature=0.7)
+    got = sequence_grad_norms_sq_fp64(model, ids, response, attention, temperature=0.7)
     assert got.dtype == torch.float64 and got.shape == (ids.shape[0],)
     assert got[3] == 0  # empty response
     assert bool((expected[[0, 1, 2, 4, 5]] > 1e-6).all())  # the comparison is not vacuous
@@ -143,16 +143,16 @@ def test_sequence_grad_norms_without_attention_mask_and_temperature_one():
     model = _qwen2(seed=5)
     ids, response, _ = _batch(seed=3)
     expected, _ = _reference(model, ids, response)
-    torch.testing.assert_close(sequence_grad_norms_sq(model, ids, response), expected, rtol=RTOL, atol=0)
+    torch.testing.assert_close(sequence_grad_norms_sq_fp64(model, ids, response), expected, rtol=RTOL, atol=0)
     # temperature matters (guards against it being ignored)
-    assert not torch.allclose(sequence_grad_norms_sq(model, ids, response, temperature=0.5), expected)
+    assert not torch.allclose(sequence_grad_norms_sq_fp64(model, ids, response, temperature=0.5), expected)
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_prefix_grad_norms_match_autograd_loop(model_name, references, row_path):
     ids, response, attention, refs = references
     model, (_, expected) = refs[model_name]
-    got = prefix_grad_norms_sq(model, ids, response, attention, temperature=0.7)
+    got = prefix_grad_norms_sq_fp64(model, ids, response, attention, temperature=0.7)
     assert got.dtype == torch.float64 and got.shape == ids.shape
     off = response == 0
     assert bool((got[off] == 0).all())  # exactly zero off the mask: prompt, padding, hole, empty row
@@ -162,8 +162,8 @@ def test_prefix_grad_norms_match_autograd_loop(model_name, references, row_path)
 def test_prefix_last_position_equals_sequence_norm():
     model = _llama(seed=4)
     ids, response, attention = _batch(seed=7)
-    prefix = prefix_grad_norms_sq(model, ids, response, attention, temperature=1.3)
-    sequence = sequence_grad_norms_sq(model, ids, response, attention, temperature=1.3)
+    prefix = prefix_grad_norms_sq_fp64(model, ids, response, attention, temperature=1.3)
+    sequence = sequence_grad_norms_sq_fp64(model, ids, response, attention, temperature=1.3)
     for b in range(ids.shape[0]):
         positions = response[b].nonzero().flatten()
         if positions.numel() == 0:
@@ -191,7 +191,7 @@ def test_lm_head_weight_proxy_identity():
     ids = torch.randint(0, 16, (1, L), generator=torch.Generator().manual_seed(11)).repeat(L - 1, 1)
     response = torch.zeros(L - 1, L)
     response[torch.arange(L - 1), torch.arange(1, L)] = 1  # row k: one response token, at position k + 1
-    got = prefix_grad_norms_sq(model, ids, response, temperature=temperature)[
+    got = prefix_grad_norms_sq_fp64(model, ids, response, temperature=temperature)[
         torch.arange(L - 1), torch.arange(1, L)
     ]  # [L-1]
 
@@ -206,7 +206,7 @@ def test_lm_head_weight_proxy_identity():
     expected = (1 - 2 * pi_y + pi[:-1].square().sum(-1)) * h[:-1].square().sum(-1) / temperature**2
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=0)
     # a single-token response's sequence norm is the same quantity
-    sequence = sequence_grad_norms_sq(model, ids, response, temperature=temperature)
+    sequence = sequence_grad_norms_sq_fp64(model, ids, response, temperature=temperature)
     torch.testing.assert_close(sequence, expected, rtol=RTOL, atol=0)
 
 
@@ -223,9 +223,9 @@ def test_caller_model_untouched():
     modes = {n: m.training for n, m in model.named_modules()}
 
     with torch.no_grad():  # a caller under no_grad still gets gradients
-        sequence = sequence_grad_norms_sq(model, ids, response, attention)
+        sequence = sequence_grad_norms_sq_fp64(model, ids, response, attention)
     with torch.inference_mode():  # and so does a caller under inference_mode
-        prefix = prefix_grad_norms_sq(model, ids, response, attention)
+        prefix = prefix_grad_norms_sq_fp64(model, ids, response, attention)
 
     for k, v in model.state_dict().items():
         assert v.dtype == state[k].dtype and torch.equal(v, state[k]), k
@@ -293,9 +293,9 @@ def test_hf_models_take_the_vmap_path(vmap_record):
     ids, response, attention = _batch()
     for build in (_qwen2, _llama):
         model = build()
-        sequence_grad_norms_sq(model, ids, response, attention)
-        prefix_grad_norms_sq(model, ids, response, attention)
-        prefix_grad_norms_sq(model, ids, response)
+        sequence_grad_norms_sq_fp64(model, ids, response, attention)
+        prefix_grad_norms_sq_fp64(model, ids, response, attention)
+        prefix_grad_norms_sq_fp64(model, ids, response)
     assert len(vmap_record) == 2 * (4 + 4 + 1)  # 4 attention patterns among the rows with a response
     assert all(vmap_record)
 
@@ -304,8 +304,8 @@ def test_vmap_failure_falls_back_to_row_loop(vmap_record):
     torch.manual_seed(12)
     model = _ToyLM(branch=True)
     expected_sequence, expected_prefix = _reference(model, _TOY_IDS, _TOY_RESPONSE, temperature=1.2)
-    got_sequence = sequence_grad_norms_sq(model, _TOY_IDS, _TOY_RESPONSE, temperature=1.2)
-    got_prefix = prefix_grad_norms_sq(model, _TOY_IDS, _TOY_RESPONSE, temperature=1.2)
+    got_sequence = sequence_grad_norms_sq_fp64(model, _TOY_IDS, _TOY_RESPONSE, temperature=1.2)
+    got_prefix = prefix_grad_norms_sq_fp64(model, _TOY_IDS, _TOY_RESPONSE, temperature=1.2)
     torch.testing.assert_close(got_sequence, expected_sequence, rtol=RTOL, atol=0)
     torch.testing.assert_close(got_prefix, expected_prefix, rtol=RTOL, atol=0)
     assert vmap_record == [False, False]  # each call fell back to the row loop
@@ -319,10 +319,10 @@ def test_float32_islands_are_promoted():
     plain.load_state_dict(island.state_dict())
     expected_sequence, expected_prefix = _reference(plain, _TOY_IDS, _TOY_RESPONSE)
     torch.testing.assert_close(
-        sequence_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_sequence, rtol=RTOL, atol=0
+        sequence_grad_norms_sq_fp64(island, _TOY_IDS, _TOY_RESPONSE), expected_sequence, rtol=RTOL, atol=0
     )
     torch.testing.assert_close(
-        prefix_grad_norms_sq(island, _TOY_IDS, _TOY_RESPONSE), expected_prefix, rtol=RTOL, atol=0
+        prefix_grad_norms_sq_fp64(island, _TOY_IDS, _TOY_RESPONSE), expected_prefix, rtol=RTOL, atol=0
     )
     # the island does round when not promoted (so the check above is not vacuous)
     island64 = copy.deepcopy(island).double()
@@ -369,7 +369,7 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("function", [sequence_grad_norms_sq, prefix_grad_norms_sq])
+@pytest.mark.parametrize("function", [sequence_grad_norms_sq_fp64, prefix_grad_norms_sq_fp64])
 def test_bad_inputs_name_the_argument(function):
     ids, response, attention = _batch()
     good = dict(model=_qwen2(seed=0), input_ids=ids, response_mask=response, attention_mask=attention, temperature=1.0)

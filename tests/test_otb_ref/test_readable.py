@@ -1,4 +1,4 @@
-"""otb_ref.spec (the readable form) equals compute_advantages (the fast path) for every estimator and flag."""
+"""otb_ref.readable (the readable form) equals compute_advantages (the fast path) for every estimator and flag."""
 
 import pytest
 import torch
@@ -6,11 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import rollout_batches
 
-from otb_ref import ESTIMATORS, compute_advantages, spec
+from otb_ref import ESTIMATORS, compute_advantages, readable
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 # Both fp64; they differ in summation order (blocked segment sums vs one index_add) and in where the
-# leave-one-out term is subtracted. Same bound as tests/test_advantages.py: 1e-16 / 6e-6 ≈ 2e-11 relative.
+# leave-one-out term is subtracted. Same bound as tests/test_otb_ref/test_advantages.py: 1e-16 / 6e-6 ≈ 2e-11 relative.
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
@@ -24,7 +24,7 @@ TOL = dict(rtol=1e-9, atol=1e-9)
     st.booleans(),
     st.sampled_from([0.0, 1e-8, 1e-4]),
 )
-def test_spec_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, with_is, epsilon):
+def test_readable_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, with_is, epsilon):
     """Every estimator, every flag: the plain form and the fast path give the same advantages and returns."""
     token = ESTIMATORS[name].granularity == "token"
     flags = dict(
@@ -38,26 +38,46 @@ def test_spec_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_
     if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
         inputs["rollout_is_weights"] = batch.rollout_is_weights
     fast = compute_advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
-    plain = spec.advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
+    plain = readable.advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
     for got, want in zip(fast, plain):
         torch.testing.assert_close(got, want, **TOL)
 
 
-def test_spec_returns_to_go_is_the_reverse_cumulative_sum():
+@given(rollout_batches(), st.booleans(), st.sampled_from([0.0, 1e-8, 1e-4]))
+def test_otb_advantages_self_contained_equals_compute_advantages(batch, leave_one_out, epsilon):
+    """The one-function statement of OTB (the README's first hop) gives compute_advantages("otb")'s numbers, with and
+    without leave-one-out, holes, groups of one and empty responses included (the strategy draws them)."""
+    fast, _ = compute_advantages(
+        "otb",
+        batch.rewards,
+        batch.mask,
+        batch.index,
+        old_log_probs=batch.old_log_probs,
+        sum_pi_squared=batch.sum_pi_squared,
+        leave_one_out=leave_one_out,
+        epsilon=epsilon,
+    )
+    plain = readable.otb_advantages(
+        batch.rewards, batch.mask, batch.index, batch.old_log_probs, batch.sum_pi_squared, leave_one_out, epsilon
+    )
+    torch.testing.assert_close(fast, plain.to(fast.dtype), **TOL)
+
+
+def test_readable_returns_to_go_is_the_reverse_cumulative_sum():
     """G_t = Σ_{k ≥ t} m_k r_k, holes included (a hole holds the reward still to come)."""
     rewards = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
-    assert spec.returns_to_go(rewards, mask).tolist() == [[13.0, 12.0, 12.0, 8.0]]
+    assert readable.returns_to_go(rewards, mask).tolist() == [[13.0, 12.0, 12.0, 8.0]]
 
 
 @pytest.mark.parametrize("leave_one_out", [False, True])
-def test_spec_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
+def test_readable_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
     """Two responses tie for longest (3 tokens), one with a hole reaching position 3: no zero tail (not unique)."""
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     flags = dict(handle_zero_tail=True, leave_one_out=leave_one_out)
     fast = compute_advantages("token_mean", rewards, mask, [0, 0, 0], **flags)
-    plain = spec.advantages("token_mean", rewards, mask, [0, 0, 0], **flags)
+    plain = readable.advantages("token_mean", rewards, mask, [0, 0, 0], **flags)
     for got, want in zip(fast, plain):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     if not leave_one_out:  # row 1 is alone at position 3: include-self baseline = its own G_3 = 2, unless zeroed
@@ -65,7 +85,7 @@ def test_spec_zero_tail_with_tied_longest_responses_and_holes(leave_one_out):
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
-def test_spec_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name):
+def test_readable_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name):
     """NaN and inf off the mask (every [B, T] input, IS weights included) change nothing, as in the fast path;
     T = 0 gives [B, 0] outputs."""
     g = torch.Generator().manual_seed(0)
@@ -82,9 +102,9 @@ def test_spec_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name
     off = mask == 0
     dirty = {k: v if v.dim() == 1 else v.masked_fill(off, float("nan")) for k, v in clean.items()}
     want = compute_advantages(name, rewards, mask, [0, 0, 0], **clean)
-    got = spec.advantages(name, rewards.masked_fill(off, float("inf")), mask, [0, 0, 0], **dirty)
+    got = readable.advantages(name, rewards.masked_fill(off, float("inf")), mask, [0, 0, 0], **dirty)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
     empty = {k: v if v.dim() == 1 else v[:, :0] for k, v in clean.items()}
-    got = spec.advantages(name, rewards[:, :0], mask[:, :0], [0, 0, 0], **empty)
+    got = readable.advantages(name, rewards[:, :0], mask[:, :0], [0, 0, 0], **empty)
     assert [tuple(x.shape) for x in got] == [(3, 0), (3, 0)]

@@ -1,6 +1,6 @@
 """otb_ref.grad_norms: every response's ||S||² in one forward + backward equals the exact per-row gradients.
 
-The reference is otb_ref.exact.sequence_grad_norms_sq (a torch.func gradient per row on a float64 copy with
+The reference is otb_ref.exact.sequence_grad_norms_sq_fp64 (a torch.func gradient per row on a float64 copy with
 float32 islands promoted). The models here are float64; the one-pass result is float32 (accumulated in
 float64), so the tolerance is 1e-6 relative: float32 rounding of the result (6e-8) plus transformers' float32
 islands inside a float64 forward (RMSNorm, rotary, softmax: ~1e-8 relative, see otb_ref.exact.grad_norms).
@@ -17,10 +17,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from otb_ref import grad_norms
-from otb_ref.exact import sequence_grad_norms_sq as exact_norms
+from otb_ref.exact import sequence_grad_norms_sq_fp64 as exact_norms
 from otb_ref.grad_norms import embedding_norms_sq, linear_weight_norms_sq, row_grad_norms_sq, sequence_grad_norms_sq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 
@@ -301,7 +301,7 @@ def test_fsdp2_two_ranks_with_and_without_activation_checkpointing(tmp_path):
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(ROOT / "tests" / "fsdp_grad_norms_worker.py"),
+        str(Path(__file__).with_name("fsdp_grad_norms_worker.py")),
         str(out),
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TABLE = ROOT / "docs" / "exact_table.md"
 README = ROOT / "README.md"
 # The README's paragraph of numbers measured by the exact table.
