@@ -5,10 +5,10 @@
     python benchmarks/gpu_train_paths.py --only generation        # or: sampling | update
 
 Both phases run as train.py runs them: a 1-rank process group (NCCL on GPU, gloo on CPU), the policy
-wrapped by ``train.Policy`` and sharded by ``distributed.shard`` (FSDP2, bf16 parameters with fp32
+wrapped by ``otb_train.model.Policy`` and sharded by ``otb_train.distributed.shard`` (FSDP2, bf16 parameters with fp32
 reductions on GPU, fp32 on CPU).
 
-``bench: "generation"`` — the built-in model of ``train.build_model_and_tokenizer`` with
+``bench: "generation"`` — the built-in model of ``otb_train.model.build_model_and_tokenizer`` with
 ``--hidden-size 1024 --num-layers 16`` (Qwen2, 64 heads of 16, 32 KV heads, 15-token vocabulary, ~250M
 parameters), 512 rows, left-padded prompts of 256-512 tokens (width 512), 512 new tokens each (EOS is an
 id that is never sampled, so every row runs to the cap), inside ``distributed.gathered_for_generation``:
@@ -176,7 +176,7 @@ def environment(env: distributed.Dist) -> dict:
 
 
 def sharded_policy(lm: torch.nn.Module, env: distributed.Dist, checkpointing: bool) -> torch.nn.Module:
-    """``train.Policy`` around ``lm``, sharded exactly as train.py shards it."""
+    """``otb_train.model.Policy`` around ``lm``, sharded exactly as train.py shards it."""
     lm.eval()
     layers = [m for m in lm.modules() if type(m).__name__ in (getattr(lm, "_no_split_modules", None) or ())]
     policy = Policy(lm, temperature=1.0, chunk_size=None)

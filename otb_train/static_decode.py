@@ -222,7 +222,7 @@ class StaticKVDecoder:
     """``forward(input_ids, attention_mask, position_ids, cache) -> (logits [B, V] fp32, cache)`` for ``generate``.
 
     Args:
-        prefill: the model's own ``ForwardFn`` (e.g. ``train.Policy``); called
+        prefill: the model's own ``ForwardFn`` (e.g. ``otb_train.model.Policy``); called
             once, for the prompt, and must return a Hugging Face cache.
         lm: the Hugging Face causal LM inside ``prefill`` (``Policy.lm``). Its
             parameters are looked up after the prefill, so FSDP2's gathered

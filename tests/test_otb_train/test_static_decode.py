@@ -34,7 +34,7 @@ def tiny_lm(kind: str):
 
 
 def model_forward(lm):
-    """The model's own ForwardFn (as train.Policy computes it, without FSDP)."""
+    """The model's own ForwardFn (as otb_train.model.Policy computes it, without FSDP)."""
 
     def forward(input_ids, attention_mask, position_ids, cache):
         out = lm.get_decoder()(

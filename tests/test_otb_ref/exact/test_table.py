@@ -1,4 +1,4 @@
-"""`python -m otb_ref.exact`: the command runs, its committed output is current, and the README quotes it.
+"""`python -m otb_ref.exact`: the command runs, its committed output is current, and docs/RESULTS.md quotes it.
 
 The default table takes about 6 s on 2 CPU cores (20-30 s on a loaded machine), so the committed
 ``docs/exact_table.md`` is regenerated here with the default settings, not a reduced one.
@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 TABLE = ROOT / "docs" / "exact_table.md"
 README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "RESULTS.md"  # where the README's results live
 # The README's paragraph of numbers measured by the exact table.
 QUOTED_FROM = "**Approximations, measured and not asserted.**"
 QUOTED_UNTIL = "## Benchmarks"
@@ -82,7 +83,7 @@ def test_committed_table_is_current(tmp_path):
     _run("--out", str(out_file), timeout=600)
     fresh, committed = out_file.read_text(encoding="utf-8"), TABLE.read_text(encoding="utf-8")
     stale = "docs/exact_table.md is stale: run `python -m otb_ref.exact --out docs/exact_table.md`, then re-check the "
-    stale += "numbers quoted in README.md"
+    stale += "numbers quoted in docs/RESULTS.md"
     if _versions(fresh) == _versions(committed):
         assert fresh == committed, stale
     else:
@@ -93,16 +94,16 @@ def test_committed_table_is_current(tmp_path):
         )
 
 
-def test_readme_numbers_come_from_the_committed_table():
-    """Every decimal number of the README's measured-approximations paragraph occurs in docs/exact_table.md."""
-    readme = README.read_text(encoding="utf-8")
+def test_results_numbers_come_from_the_committed_table():
+    """Every decimal number of docs/RESULTS.md's measured-approximations paragraph occurs in docs/exact_table.md."""
+    readme = RESULTS.read_text(encoding="utf-8")
     start = readme.index(QUOTED_FROM)
     section = readme[start : readme.index(QUOTED_UNTIL, start)]
     numbers = set(re.findall(r"\d+\.\d+", section))
     assert len(numbers) > 20, "the paragraph moved or lost its numbers"
     table_numbers = set(re.findall(r"\d+\.\d+", TABLE.read_text(encoding="utf-8")))
     missing = sorted(numbers - table_numbers)
-    assert not missing, f"README quotes numbers that are not in docs/exact_table.md: {missing}"
+    assert not missing, f"docs/RESULTS.md quotes numbers that are not in docs/exact_table.md: {missing}"
 
 
 def _cited_test_ids(text: str) -> set[str]:
@@ -122,11 +123,12 @@ def _cited_test_ids(text: str) -> set[str]:
 
 
 def test_cited_test_ids_exist():
-    """The tests named in docs/THEORY.md §7, the README and proofs/ exist: each file defines each named test function.
+    """The tests named in docs/THEORY.md §7, the README, docs/RESULTS.md and proofs/ exist: each file defines each
+    named test function.
 
     Read from the source (ast), not collected: a module that skips where an optional extra (verl, TRL) is missing
     still defines its tests."""
-    sources = [ROOT / "docs" / "THEORY.md", README, *sorted((ROOT / "proofs").glob("*.md"))]
+    sources = [ROOT / "docs" / "THEORY.md", README, RESULTS, *sorted((ROOT / "proofs").glob("*.md"))]
     ids = set().union(*(_cited_test_ids(p.read_text(encoding="utf-8")) for p in sources))
     assert len(ids) > 25, "the citation format changed"
     missing = []
