@@ -181,7 +181,7 @@ def old_log_probs(run: Run, batch: Batch) -> None:
                 batch.ref_log_probs[rows] = run.reference(*args, targets=batch.response_ids[rows])[0]
 
 
-def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
+def estimate_advantages(run: Run, batch: Batch) -> None:
     """otb_ref.compute_advantages(--estimator), with exact gradient energies for eob and otb_exact."""
     cfg, b = run.cfg, batch
     energies = {}
@@ -207,16 +207,6 @@ def estimate_advantages(run: Run, batch: Batch, step: int) -> None:
         **energies,
     )
     b.proxy = variance_proxy_metrics(b.advantages, b.mask, b.old_log_probs, b.sum_pi_squared)
-    if cfg.debug_dump:
-        Path(cfg.debug_dump).mkdir(parents=True, exist_ok=True)
-        dump = {
-            "rows": run.global_rows,
-            "advantages": b.advantages.cpu(),
-            "rewards": b.scores.cpu(),
-            "response_ids": b.response_ids.cpu(),
-            "mask": b.mask.cpu(),
-        }
-        torch.save(dump, Path(cfg.debug_dump) / f"step{step}_rank{run.env.rank}.pt")
 
 
 def learning_rate(cfg: Config, updates_done: int, tokens: int, schedule_steps: int) -> float:
@@ -236,7 +226,7 @@ def learning_rate(cfg: Config, updates_done: int, tokens: int, schedule_steps: i
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def accumulate_gradients(run: Run, batch: Batch, mini: slice, step: int) -> dict[str, float]:
+def accumulate_gradients(run: Run, batch: Batch, mini: slice) -> dict[str, float]:
     """Backward of one mini-batch's loss, micro-batch by micro-batch; returns this rank's named sums.
 
     Each micro-batch's loss is its share of the mini-batch loss, normalised by GLOBAL token and sequence
@@ -262,8 +252,6 @@ def accumulate_gradients(run: Run, batch: Batch, mini: slice, step: int) -> dict
             kl = kl_penalty(log_probs, b.ref_log_probs[rows], cfg.kl_estimator)
             loss = loss + cfg.kl_coef * aggregate(kl, b.mask[rows], cfg.loss_agg, **norm)
             sums["kl_ref"] += float(aggregate(kl.detach(), b.mask[rows], "token-mean", **norm))
-        if step == cfg.debug_nan_step:
-            loss = loss * float("nan")
         loss.backward()
         sums["loss"] += float(loss.detach())
         sums["clip_fraction"] += float(stats["clipped_tokens"]) / global_tokens
@@ -289,7 +277,7 @@ def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             sums = distributed.all_reduce_named(
-                accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini), step)
+                accumulate_gradients(run, batch, slice(k * rows_per_mini, (k + 1) * rows_per_mini))
             )
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), max_norm)
@@ -572,7 +560,7 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
         times["rollout"] = sync(env)
         old_log_probs(run, batch)
         times["logprobs"] = sync(env)
-        estimate_advantages(run, batch, step)
+        estimate_advantages(run, batch)
         times["advantages"] = sync(env)
         stats = update(run, batch, step, state)
         times["update"] = sync(env)
@@ -585,7 +573,7 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
             skipped_total=record["skipped_total"],
             data_position=state["data_position"] + cfg.prompts_per_step,
         )
-        stop = finished(cfg, state) or step == cfg.debug_stop_after
+        stop = finished(cfg, state)
         run.metrics_log.write(record)
         if cfg.sample_every and (step == first_step or step % cfg.sample_every == 0 or stop):
             write_samples(run, batch, step)

@@ -64,8 +64,8 @@ RUN_DEFINING = (
 )
 
 
-def _flag(default, help, choices=None, hidden=False, nargs=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden, "nargs": nargs})
+def _flag(default, help, choices=None, nargs=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
 
 
 @dataclass
@@ -128,11 +128,6 @@ class Config:
     )
     num_samples: int = _flag(4, "responses written to samples.jsonl each time (one per prompt)")
     tensorboard: bool = _flag(False, "also write TensorBoard scalars (needs the tensorboard package)")
-    debug_dump: str = _flag("", "write per-step advantages and rewards of each rank here", hidden=True)
-    debug_nan_step: int = _flag(0, "make the loss NaN at this step (tests the skip)", hidden=True)
-    debug_stop_after: int = _flag(
-        0, "checkpoint and stop after this step, as if preempted (tests --resume)", hidden=True
-    )
 
     def apply_implied_defaults(self, given: set[str]) -> None:
         """Defaults that depend on other flags, for the fields not given on the command line."""
@@ -219,7 +214,7 @@ def parse_config(argv: list[str]) -> Config:
     for f in dataclasses.fields(Config):
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
         default = "" if f.type.startswith("bool") or "default" in meta["help"] else f" (default: {f.default})"
-        kwargs = dict(help=argparse.SUPPRESS if meta["hidden"] else meta["help"] + default)
+        kwargs = dict(help=meta["help"] + default)
         if f.type == "bool":
             parser.add_argument(flag, action="store_true", **kwargs)
         elif f.type.startswith("bool"):
@@ -246,7 +241,7 @@ def config_changes(before: dict, after: dict) -> dict[str, list]:
 
 def describe(cfg: Config) -> str:
     """The effective configuration, ``name=value`` wrapped to 118 columns (printed at start)."""
-    pairs = [f"{k}={v}" for k, v in config_record(cfg).items() if not k.startswith("debug_")]
+    pairs = [f"{k}={v}" for k, v in config_record(cfg).items()]
     return textwrap.fill(" ".join(pairs), width=118, initial_indent="config: ", subsequent_indent="  ")
 
 

@@ -8,13 +8,13 @@ behaviour (exit codes, one-line errors, the progress bar, torchrun) is tested in
 import json
 import math
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from train_hooks import run_train  # train.py's main, run from its file, with the tests' hooks
 
 import otb_ref.readable
 from otb_ref import ESTIMATORS
@@ -26,8 +26,6 @@ from otb_train.model import load_tokenizer
 from otb_train.tasks import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
-# train.py's entry point, run as a script (train.py is a program: nothing imports it)
-main = runpy.run_path(str(ROOT / "train.py"), run_name="train_script")["main"]
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4"]
 # Seed 3 with 8 x 8 responses gives rewards in several groups at steps 1-2, so the
@@ -71,7 +69,10 @@ def deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))}
 
 
-def run_subprocess(args: list[str], torchrun: bool = False, **kwargs) -> subprocess.CompletedProcess:
+def run_subprocess(
+    args: list[str], torchrun: bool = False, hooks: list[str] | None = None, **kwargs
+) -> subprocess.CompletedProcess:
+    """train.py in a new process (torchrun with 2 ranks, or python); ``hooks``: through tests/train_hooks.py."""
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         if torchrun
@@ -79,7 +80,11 @@ def run_subprocess(args: list[str], torchrun: bool = False, **kwargs) -> subproc
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [*launcher, str(ROOT / "train.py"), *args],
+        [
+            *launcher,
+            *([str(ROOT / "tests" / "train_hooks.py"), *hooks, "--"] if hooks else [str(ROOT / "train.py")]),
+            *args,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -98,7 +103,7 @@ def load_params(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return torch.load(target, weights_only=False)["model"]
 
 
-def debug_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
+def dumped_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
     """The dumped per-rank tensors of one step, reassembled in global row order."""
     parts = [torch.load(dump / f"step{step}_rank{rank}.pt") for rank in range(world)]
     order = torch.cat([p["rows"] for p in parts]).argsort()
@@ -147,26 +152,24 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
             "8",
             "--output-dir",
             str(tmp_path / "two"),
-            "--debug-dump",
-            str(tmp_path / "dump2"),
         ],
         torchrun=True,
+        hooks=["--dump", str(tmp_path / "dump2")],
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    main(
+    run_train(
         [
             *common,
             "--micro-batch-size",
             "64",
             "--output-dir",
             str(tmp_path / "one"),
-            "--debug-dump",
-            str(tmp_path / "dump1"),
-        ]
+        ],
+        dump=str(tmp_path / "dump1"),
     )
     one_records, two_records = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     for step in (1, 2):
-        one, two_ = debug_rows(tmp_path / "dump1", step, 1), debug_rows(tmp_path / "dump2", step, 2)
+        one, two_ = dumped_rows(tmp_path / "dump1", step, 1), dumped_rows(tmp_path / "dump2", step, 2)
         assert torch.equal(one["response_ids"], two_["response_ids"])
         assert torch.allclose(one["rewards"], two_["rewards"], rtol=0, atol=1e-7)
         assert torch.allclose(one["advantages"], two_["advantages"], rtol=0, atol=1e-5)
@@ -180,7 +183,7 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
         worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
         assert worst <= 1e-2 * one_records[0]["lr"], worst
     assert (
-        one_records[0]["grad_norm"] > 1e-3 and debug_rows(tmp_path / "dump1", 1, 1)["advantages"].abs().max() > 0.05
+        one_records[0]["grad_norm"] > 1e-3 and dumped_rows(tmp_path / "dump1", 1, 1)["advantages"].abs().max() > 0.05
     )  # not a trivial comparison
     p0 = load_params(tmp_path / "one" / "checkpoints" / "step_00000001", tmp_path)
     assert any(float((p0[k] - p1[k]).abs().max()) > 0 for k in p0)  # step 2 moved the parameters
@@ -271,7 +274,7 @@ def test_existing_run_directory_needs_resume(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="--resume"):
-        main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")])
+        run_train([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")])
 
 
 # --------------------------------------------------------------------------- in-process runs
@@ -285,8 +288,8 @@ def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, caps
     drop the line, and continue from step 2.
     """
     common = [*SMALL, "--steps", "4"]
-    main([*common, "--output-dir", str(tmp_path / "straight")])
-    main([*common, "--output-dir", str(tmp_path / "resumed"), "--debug-stop-after", "2"])
+    run_train([*common, "--output-dir", str(tmp_path / "straight")])
+    run_train([*common, "--output-dir", str(tmp_path / "resumed")], stop_after=2)
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2]
     saved = tmp_path / "resumed" / "checkpoints"
     (saved / "step_00000003").mkdir()
@@ -298,7 +301,7 @@ def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, caps
     with pytest.raises(RuntimeError, match="incomplete"):
         checkpoints.load_checkpoint(saved / "step_00000003", None, None, {}, None)
     capsys.readouterr()
-    main([*common, "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    run_train([*common, "--output-dir", str(tmp_path / "resumed"), "--resume"])
     assert "resumed from step_00000002" in capsys.readouterr().err
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -307,7 +310,7 @@ def test_resume_is_bitwise_exact_and_skips_incomplete_checkpoints(tmp_path, caps
 
 
 def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path, capsys):
-    main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "fresh"), "--resume"])
+    run_train([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "fresh"), "--resume"])
     assert "no complete checkpoint found" in capsys.readouterr().err
     assert [r["step"] for r in metrics(tmp_path / "fresh")] == [1]
 
@@ -315,7 +318,7 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path, capsys):
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_every_estimator_runs_a_step(tmp_path, estimator):
     extra = ["--leave-one-out"] if estimator in ("otb", "grpo") else []
-    main([*TINY, "--steps", "1", "--estimator", estimator, *extra, "--output-dir", str(tmp_path / estimator)])
+    run_train([*TINY, "--steps", "1", "--estimator", estimator, *extra, "--output-dir", str(tmp_path / estimator)])
     (record,) = metrics(tmp_path / estimator)
     assert record["skipped"] == 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
@@ -324,39 +327,37 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
     """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward."""
     runs = {}
     for name, extra in (("forward", []), ("static", ["--static-decode"])):
-        main(
+        run_train(
             [
                 *SMALL,
                 "--steps",
                 "2",
                 "--output-dir",
                 str(tmp_path / name),
-                "--debug-dump",
-                str(tmp_path / f"d_{name}"),
                 *extra,
-            ]
+            ],
+            dump=str(tmp_path / f"d_{name}"),
         )
-        runs[name] = [debug_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
+        runs[name] = [dumped_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
     for forward, static in zip(runs["forward"], runs["static"]):
         assert torch.equal(forward["response_ids"], static["response_ids"])
         torch.testing.assert_close(forward["advantages"], static["advantages"], rtol=0, atol=0)
 
 
 def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):
-    main(
+    run_train(
         [
             *SMALL,
             "--steps",
             "3",
-            "--debug-nan-step",
-            "2",
             "--save-every",
             "1",
             "--keep-checkpoints",
             "0",
             "--output-dir",
             str(tmp_path / "nan"),
-        ]
+        ],
+        nan_step=2,
     )
     records = metrics(tmp_path / "nan")
     assert [r["skipped"] for r in records] == [0, 1, 0] and records[2]["skipped_total"] == 1
@@ -413,7 +414,7 @@ def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
     model = _tiny_hf_checkpoint(tmp_path / "model")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {a}+{a * 7}?", "answer": 8 * a}) + "\n" for a in range(12)))
-    main(
+    run_train(
         [
             "--model",
             str(model),
@@ -521,7 +522,7 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
         if path.exists():
             path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": None}))
     with pytest.raises(UserError, match="EOS"):
-        main(["--model", str(model), "--output-dir", str(tmp_path / "run")])
+        run_train(["--model", str(model), "--output-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
 
 
@@ -539,15 +540,15 @@ def test_prompt_that_encodes_to_nothing_is_refused():
 
 def test_resume_refuses_changed_run_flags_and_keeps_the_first_config(tmp_path, capsys):
     run = tmp_path / "run"
-    main([*TINY, "--steps", "1", "--output-dir", str(run)])
+    run_train([*TINY, "--steps", "1", "--output-dir", str(run)])
     config = (run / "config.json").read_text()
     changed = ["--lr", "0.002", "--seed", "1", "--estimator", "grpo"]
     with pytest.raises(UserError) as error:
-        main([*TINY, "--steps", "2", *changed, "--output-dir", str(run), "--resume"])
+        run_train([*TINY, "--steps", "2", *changed, "--output-dir", str(run), "--resume"])
     for flag in ("--lr 0.001 -> 0.002", "--seed 0 -> 1", "--estimator 'otb' -> 'grpo'"):
         assert flag in str(error.value)
     with pytest.raises(UserError, match="--hidden-size 64 -> 96"):
-        main([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
+        run_train([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
     assert (run / "config.json").read_text() == config
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
     assert [r["step"] for r in metrics(run)] == [1]
@@ -557,8 +558,8 @@ def test_extending_steps_on_resume_keeps_the_schedule_and_records_the_change(tmp
     """--steps 2, then --steps 4 --resume: config.json keeps steps 2, the history records 2 -> 4, and steps 3-4
     run at --min-lr-ratio x --lr (the cosine's horizon stays the first start's --steps)."""
     run, common = tmp_path / "run", [*TINY, "--warmup-steps", "0", "--output-dir", str(tmp_path / "run")]
-    main([*common, "--steps", "2"])
-    main([*common, "--steps", "4", "--resume", "--save-every", "3"])
+    run_train([*common, "--steps", "2"])
+    run_train([*common, "--steps", "4", "--resume", "--save-every", "3"])
     assert "extends the run past its first --steps 2" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["steps"] == 2
     history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
@@ -567,14 +568,14 @@ def test_extending_steps_on_resume_keeps_the_schedule_and_records_the_change(tmp
     lrs = [r["lr"] for r in metrics(run)]
     assert lrs[0] == 1e-3 and lrs[2] == lrs[3] == pytest.approx(0.1 * 1e-3, rel=1e-12)
     capsys.readouterr()
-    main([*common, "--steps", "4", "--resume"])
+    run_train([*common, "--steps", "4", "--resume"])
     assert "nothing to do" in capsys.readouterr().err
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 2
 
 
 def test_default_output_dir_is_recorded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    main([*TINY, "--steps", "1"])
+    run_train([*TINY, "--steps", "1"])
     (run,) = (tmp_path / "runs").iterdir()
     assert json.loads((run / "config.json").read_text())["output_dir"] == f"runs/{run.name}"
 
@@ -584,7 +585,7 @@ def test_samples_summary_and_new_metrics(tmp_path, capsys):
     zero-variance groups in their ranges, and the truncation warning (a 2-token cap cuts most responses)."""
     run = tmp_path / "run"
     args = [*TINY, "--steps", "3", "--sample-every", "2", "--num-samples", "3", "--max-new-tokens", "2"]
-    main([*args, "--output-dir", str(run)])
+    run_train([*args, "--output-dir", str(run)])
     err = capsys.readouterr().err
     assert "step 1: " in err and "hit --max-new-tokens 2" in err and "config: steps=3" in err
     (summary,) = [line for line in err.splitlines() if line.startswith("train.py: done: steps 1-3")]
@@ -599,7 +600,7 @@ def test_samples_summary_and_new_metrics(tmp_path, capsys):
 
 def test_token_budget_stops_the_run_and_shapes_the_schedule(tmp_path):
     run = tmp_path / "run"
-    main([*TINY, "--token-budget", "200", "--warmup-steps", "0", "--output-dir", str(run)])
+    run_train([*TINY, "--token-budget", "200", "--warmup-steps", "0", "--output-dir", str(run)])
     records = metrics(run)
     assert records[-1]["tokens"] >= 200 > records[-2]["tokens"]
     for before, record in zip([{"tokens": 0}, *records], records):  # cosine in tokens generated before the step
@@ -613,7 +614,7 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
     σ the std of G_t pooled within positions (THEORY §3); groups with equal rewards are unchanged."""
     dumps = {}
     for name, extra in (("plain", []), ("std", ["--std-normalize"])):
-        main(
+        run_train(
             [
                 *SMALL,
                 "--steps",
@@ -621,11 +622,10 @@ def test_std_normalize_scales_each_group_by_one_constant(tmp_path):
                 *extra,
                 "--output-dir",
                 str(tmp_path / name),
-                "--debug-dump",
-                str(tmp_path / f"d{name}"),
-            ]
+            ],
+            dump=str(tmp_path / f"d{name}"),
         )
-        dumps[name] = debug_rows(tmp_path / f"d{name}", 1, 1)
+        dumps[name] = dumped_rows(tmp_path / f"d{name}", 1, 1)
     assert torch.equal(dumps["plain"]["response_ids"], dumps["std"]["response_ids"])
     plain, scaled, rewards = dumps["plain"]["advantages"], dumps["std"]["advantages"], dumps["plain"]["rewards"]
     mask = dumps["plain"]["mask"].double()
@@ -651,7 +651,7 @@ def test_copy_lengths_sets_the_answer_lengths():
 
 def test_tensorboard_scalars_are_written(tmp_path):
     pytest.importorskip("tensorboard")
-    main([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
+    run_train([*TINY, "--steps", "1", "--tensorboard", "--output-dir", str(tmp_path / "run")])
     (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
     assert events.stat().st_size > 0
 
@@ -698,8 +698,8 @@ def test_no_baseline_control_gives_the_return_and_update_norm_is_the_parameter_c
     generated token); a step that has a gradient reports a positive update_norm."""
     run, dump = tmp_path / "run", tmp_path / "dump"
     flags = [*SMALL, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--no-baseline"]
-    main([*flags, "--output-dir", str(run), "--debug-dump", str(dump)])
-    rows = debug_rows(dump, 1, 1)
+    run_train([*flags, "--output-dir", str(run)], dump=str(dump))
+    rows = dumped_rows(dump, 1, 1)
     assert float(rows["rewards"].abs().sum()) > 0  # some response scored, so the test is not vacuous
     expected = rows["rewards"][:, None] * rows["mask"].to(rows["advantages"].dtype)
     torch.testing.assert_close(rows["advantages"], expected)
