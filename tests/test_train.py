@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_causal_lm
 from train_hooks import run_train  # train.py's main, run from its file, with the tests' hooks
 
 import otb_ref.readable
@@ -372,7 +373,7 @@ def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsy
 def _tiny_hf_checkpoint(directory: Path) -> Path:
     """A 2-layer Qwen2 with tied embeddings and a character-level tokenizer with a chat template, saved locally."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {
         token: i
@@ -390,21 +391,9 @@ def _tiny_hf_checkpoint(directory: Path) -> Path:
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     tokenizer.save_pretrained(directory)
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    sizes = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    special = dict(tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    tiny_causal_lm(**sizes, max_position_embeddings=128, **special).save_pretrained(directory)
     return directory
 
 
@@ -446,22 +435,9 @@ def test_local_hf_model_with_chat_template_and_jsonl_data(tmp_path):
 
 def test_exact_energies_match_unpadded_rows():
     """exact_energies on left-padded rows equals otb_ref.exact on each row without its padding."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from otb_ref.exact import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
 
-    torch.manual_seed(0)
-    lm = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=12,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-    ).eval()
+    lm = tiny_causal_lm(vocab_size=12, max_position_embeddings=32).eval()
     sequences = torch.tensor(
         [[0, 0, 5, 6, 7, 3, 1], [4, 5, 6, 7, 8, 9, 0]]
     )  # prompt 5 columns (row 0 left-padded by 2), response 2

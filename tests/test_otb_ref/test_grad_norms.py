@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_causal_lm
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from otb_ref import grad_norms
 from otb_ref.exact import sequence_grad_norms_sq_fp64 as exact_norms
@@ -22,23 +22,11 @@ from otb_ref.grad_norms import embedding_norms_sq, linear_weight_norms_sq, row_g
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
-CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 
 
 def tiny_lm(family: str, tied: bool, seed: int = 0, **extra) -> nn.Module:
-    torch.manual_seed(seed)
-    config = CONFIGS[family](
-        vocab_size=29,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        **extra,
-    )
-    return AutoModelForCausalLM.from_config(config).double()
+    sizes = dict(vocab_size=29, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return tiny_causal_lm(family, seed, **sizes, tie_word_embeddings=tied, **extra).double()
 
 
 def padded_batch(seed: int = 0, vocab: int = 29):

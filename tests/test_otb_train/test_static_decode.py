@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_causal_lm
 
 from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
@@ -26,11 +27,7 @@ SMALL = dict(
 
 def tiny_lm(kind: str):
     """A random-init tiny causal LM of a supported family (grouped-query attention, 2 query heads per KV head)."""
-    config = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[
-        kind
-    ](**SMALL)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return tiny_causal_lm(kind, **SMALL).eval()
 
 
 def model_forward(lm):

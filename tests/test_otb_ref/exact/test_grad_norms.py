@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_causal_lm
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import otb_ref.exact.grad_norms as grad_norms
 from otb_ref import compute_advantages
@@ -35,13 +35,11 @@ TINY = dict(
 
 
 def _qwen2(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
+    return tiny_causal_lm("qwen2", seed, **{**TINY, **overrides})
 
 
 def _llama(seed=1, **overrides):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    return tiny_causal_lm("llama", seed, **{**TINY, **overrides})
 
 
 MODELS = {
