@@ -16,11 +16,15 @@ from otb_train.tasks import CharTokenizer
 
 
 class Policy(nn.Module):
-    """A causal LM whose LM head runs inside this module's forward (so FSDP gathers its weight there).
+    """A causal LM whose LM head runs inside this module's forward, so that FSDP2 gathers the head's weight there.
 
-    ``forward(ids, mask, positions, cache=...)`` -> (next-token logits [B, V] fp32, cache);
-    ``forward(ids, mask, positions, targets=[B, T])`` -> (log pi(targets), sum pi^2), each [B, T] fp32, for
-    the last T positions of ``ids`` (the response), through otb_ref's chunked function.
+    FSDP2 unshards a module's parameters around ``forward`` only, so the three computations the trainer needs are
+    one ``forward`` that hands over to the method its arguments name:
+
+    * ``forward(ids, mask, positions, cache)`` -> :meth:`next_token_logits` (generation);
+    * ``forward(ids, mask, positions, targets=[B, T])`` -> :meth:`log_probs_and_sum_pi_squared` (old log-probs
+      and the update);
+    * ``forward(..., targets=..., full_logits=True)`` -> :meth:`log_probs_through_lm_head` (one-pass ``||S||²``).
     """
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_size: int | None):
@@ -35,17 +39,30 @@ class Policy(nn.Module):
             past_key_values=cache,
             use_cache=targets is None,
         )
-        weight = self.lm.get_output_embeddings().weight  # [V, d]
         if targets is None:
-            return (out.last_hidden_state[:, -1] @ weight.T).float(), out.past_key_values
+            return self.next_token_logits(out.last_hidden_state), out.past_key_values
         hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
-        if full_logits:  # through the LM-head module, whose call row_grad_norms_sq records: [B, T, V] logits
-            z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
-            return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1), None
+        if full_logits:
+            return self.log_probs_through_lm_head(hidden, targets), None
+        return self.log_probs_and_sum_pi_squared(hidden, targets)
+
+    def next_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] fp32 of the token after the last position (temperature applied by the sampler)."""
+        return (hidden[:, -1] @ self.lm.get_output_embeddings().weight.T).float()
+
+    def log_probs_and_sum_pi_squared(self, hidden, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log π(targets), Σπ²)``, each [B, T] fp32, through otb_ref's chunked LM-head function (no [B, T, V])."""
+        weight = self.lm.get_output_embeddings().weight  # [V, d]
         log_probs, sum_pi_squared = logprobs_and_sum_pi_squared(
             hidden, weight, targets, temperature=self.temperature, chunk_size=self.chunk_size
         )
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
+
+    def log_probs_through_lm_head(self, hidden, targets) -> torch.Tensor:
+        """``log π(targets)`` [B, T] through the LM-head module itself ([B, T, V] logits), whose call
+        ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
+        z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
+        return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
 
 
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
