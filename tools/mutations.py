@@ -252,7 +252,7 @@ MUTATIONS = [
         "num, den = num - weight * G, den - weight",
         "num, den = num - weight * G, den",
         "otb_advantages: leave-one-out removes row i from the numerator only",
-        "f7",
+        "f5",
     ),
     # otb_ref/grad_norms.py: the one-pass ||S||² of the EOB (F3).
     Mutation(
