@@ -115,21 +115,26 @@ def reading(by_arm: dict[str, dict[int, list[dict]]]) -> str:
     return "Reading: " + ("; ".join(parts) if parts else "not computed yet (both group sizes needed)") + "."
 
 
-def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
-    figure, (reward_axis, update_axis) = new_figure(2)
-    for arm in [a for a in ARMS if a in by_arm]:
+def plot_per_step(by_arm: dict[str, dict[int, list[dict]]], arms: list[str], key: str, label: str, path: Path) -> None:
+    """Reward (left) and ``key`` (right, labelled ``label``) per step, every seed, one colour per arm."""
+    figure, (reward_axis, other_axis) = new_figure(2)
+    for arm in [a for a in arms if a in by_arm]:
         color = None
         for rows in by_arm[arm].values():
             steps = [r["step"] for r in rows]
             line = reward_axis.plot(steps, [r["reward_mean"] for r in rows], lw=0.8, color=color,
                                     label=arm if color is None else None)[0]  # fmt: skip
             color = line.get_color()
-            update_axis.plot(steps, [r["update_norm"] for r in rows], lw=0.8, color=color)
+            other_axis.plot(steps, [r[key] or 0.0 for r in rows], lw=0.8, color=color)
     reward_axis.set(xlabel="step", ylabel="reward of the step's responses", title="every seed")
-    update_axis.set(xlabel="step", ylabel="‖Δθ‖ of the step", title="update size, every seed")
+    other_axis.set(xlabel="step", ylabel=label, title=f"{label}, every seed")
     reward_axis.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(out_dir / "stability.png", dpi=110)
+    figure.savefig(path, dpi=110)
+
+
+def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
+    plot_per_step(by_arm, list(ARMS), "update_norm", "‖Δθ‖ of the step", out_dir / "stability.png")
     return ["![reward and update size per step](stability.png)"]
 
 

@@ -40,7 +40,7 @@ import reproduction
 import stability
 import warm_start
 
-from common import new_figure, write_report
+from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,20 +111,8 @@ def table(by_arm: dict[str, dict[int, list[dict]]]) -> list[str]:
 
 
 def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
-    figure, (reward_axis, kl_axis) = new_figure(2)
-    for arm in [a for a in ARMS if a in by_arm]:
-        color = None
-        for rows in by_arm[arm].values():
-            steps = [r["step"] for r in rows]
-            line = reward_axis.plot(steps, [r["reward_mean"] for r in rows], lw=0.8, color=color,
-                                    label=arm if color is None else None)[0]  # fmt: skip
-            color = line.get_color()
-            kl_axis.plot(steps, [r["approx_kl"] or 0.0 for r in rows], lw=0.8, color=color)
-    reward_axis.set(xlabel="step", ylabel="reward of the step's responses", title="every seed")
-    kl_axis.set(xlabel="step", ylabel="KL caused by the step's first update", title="update KL, every seed")
-    reward_axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(out_dir / "stability_long.png", dpi=110)
+    label = "KL caused by the step's first update"
+    stability.plot_per_step(by_arm, list(ARMS), "approx_kl", label, out_dir / "stability_long.png")
     return ["![reward and update KL per step](stability_long.png)"]
 
 
