@@ -16,7 +16,6 @@ Flags, recipes and measured numbers: docs/TRAINING.md.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import sys
@@ -33,7 +32,6 @@ from otb_train.config import (
     Config,
     UserError,
     check_run_directory,
-    config_changes,
     config_record,
     describe,
     parse_config,
@@ -43,7 +41,7 @@ from otb_train.energies import exact_energies, sequence_norms
 from otb_train.losses import aggregate, clipped_policy_loss, kl_penalty
 from otb_train.model import build_model_and_tokenizer, shard_policy
 from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
-from otb_train.run_log import JsonlLog
+from otb_train.run_log import JsonlLog, record_configuration
 from otb_train.static_decode import StaticKVDecoder, static_decode_unsupported
 from otb_train.tasks import Problem, math_reward, synthetic_reward
 
@@ -471,24 +469,8 @@ def finished(cfg: Config, state: dict) -> bool:
 def start_logs(run: Run, first: dict | None, state: dict, latest: Path | None) -> None:
     """config.json (written once, at the first start), config_history.jsonl (every start), the logs; says what runs."""
     cfg, env, out = run.cfg, run.env, run.output_dir
-    now = config_record(cfg)
     if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if first is None:
-            (out / "config.json").write_text(json.dumps(now, indent=1))
-        changed = {k: v for k, v in config_changes(first or now, now).items() if k != "resume"}
-        with open(out / "config_history.jsonl", "a") as file:
-            file.write(
-                json.dumps(
-                    {
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "from_step": state["step"],
-                        "changed": changed,
-                        "config": now,
-                    }
-                )
-                + "\n"
-            )
+        record_configuration(out, first, config_record(cfg), state["step"])
         how = f"resumed from {latest.name}" if latest else "from scratch"
         how += " (no complete checkpoint found)" if cfg.resume and not latest else ""
         print(f"run {out}: {env.world_size} rank(s) on {env.device}, estimator {cfg.estimator}, {how}", file=sys.stderr)

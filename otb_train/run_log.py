@@ -1,13 +1,16 @@
-"""The run's JSONL logs: ``metrics.jsonl`` (one record per step) and ``samples.jsonl`` (sampled responses),
-written by rank 0 only, optionally mirrored to TensorBoard."""
+"""The run's files besides checkpoints: ``config.json`` and ``config_history.jsonl`` (what ran, start by start),
+``metrics.jsonl`` (one record per step) and ``samples.jsonl`` (sampled responses), written by rank 0 only, the
+metrics optionally mirrored to TensorBoard."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
+from otb_train.config import config_changes
 from otb_train.distributed import Dist
 
 
@@ -57,3 +60,15 @@ class JsonlLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
             self.writer.flush()
+
+
+def record_configuration(output_dir: Path, first: dict | None, config: dict, from_step: int) -> None:
+    """``config.json`` at a run's first start (``first`` is None), and a line of ``config_history.jsonl`` at every
+    start: when, from which step, which flags changed since the first start, and the whole configuration."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if first is None:
+        (output_dir / "config.json").write_text(json.dumps(config, indent=1))
+    changed = {k: v for k, v in config_changes(first or config, config).items() if k != "resume"}
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": from_step, "changed": changed, "config": config}
+    with open(output_dir / "config_history.jsonl", "a") as file:
+        file.write(json.dumps(line) + "\n")
