@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import platform
 import sys
@@ -52,6 +54,28 @@ def write_report(name: str, title: str, sections: list[str], seconds: float, out
     ]
     path = out_dir / f"{name}.md"
     path.write_text("\n".join(header + sections) + "\n")
+    return path
+
+
+def compact(value, digits: int = 6):
+    """``value`` as JSON values: tensors and arrays become nested lists, floats keep ``digits`` significant digits
+    (non-finite floats become null)."""
+    if isinstance(value, dict):
+        return {str(k): compact(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [compact(v, digits) for v in value]
+    if hasattr(value, "tolist"):  # torch tensors, numpy arrays and scalars
+        return compact(value.tolist(), digits)
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None
+    return value
+
+
+def write_records(name: str, records: dict, out_dir: Path = RESULTS) -> Path:
+    """``<out_dir>/<name>_records.json``: the compact numbers behind a report's tables and figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}_records.json"
+    path.write_text(json.dumps({"command": command_line(), "machine": machine_name(), **compact(records)}) + "\n")
     return path
 
 

@@ -33,7 +33,7 @@ import snapshots
 import torch
 from torch.func import functional_call, jacrev, vmap
 
-from common import RESULTS, new_figure, sample_synthetic, write_report
+from common import RESULTS, new_figure, sample_synthetic, write_records, write_report
 from otb_ref import compute_advantages
 from otb_train.model import Policy
 from otb_train.rollout import position_ids_from_mask
@@ -429,6 +429,17 @@ def _snr_panel(axis, result: dict, x: list) -> None:
     axis.xaxis.set_minor_formatter(NullFormatter())
 
 
+def record(result: dict) -> dict:
+    """One snapshot's compact record: every statistic's point estimate and bootstrap interval, [estimator, N]."""
+    levels = torch.tensor([(1 - LEVEL) / 2, (1 + LEVEL) / 2], dtype=torch.float64)
+    stats = {}
+    for key, point in result["point"].items():
+        low, high = torch.nanquantile(result["boot"][key].double(), levels, dim=0)
+        stats[key] = {"point": point, f"low_{LEVEL:.0%}": low, f"high_{LEVEL:.0%}": high}
+    extra = {k: result[k] for k in ("tokens", "zero_variance", "reward", "params")}
+    return {"statistics": stats, **extra}
+
+
 def plot(results: dict, plan: Plan, out_dir: Path) -> list[str]:
     """SNR vs N and SNR vs generated tokens per batch, one panel per snapshot, bootstrap intervals as bars."""
     sizes, links = list(plan.group_sizes), []
@@ -573,6 +584,9 @@ def main(argv: list[str] | None = None) -> dict:
         *reading_notes(),
         *snapshot_sections(results, plan),
     ]
+    write_records("gradient_variance", {"estimators": list(ESTIMATORS), "group_sizes": list(plan.group_sizes),
+                                        "snapshots": {name: record(result) for name, result in results.items()}},
+                  args.out_dir)  # fmt: skip
     write_report(
         "gradient_variance",
         "Gradient variance: SNR and bias of the mini-batch policy gradient in parameter space",

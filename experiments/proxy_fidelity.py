@@ -34,7 +34,7 @@ import snapshots
 import torch
 import transformers
 
-from common import RESULTS, new_figure, sample_synthetic, write_report
+from common import RESULTS, new_figure, sample_synthetic, write_records, write_report
 from otb_ref.proxy import token_energy
 from otb_train.energies import exact_energies
 from otb_train.model import Policy
@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     scatter(records, sequence_points, "sequence", labels, args.out_dir / "proxy_fidelity_sequences.png")
     labels = ("W_t / group mean", "||S_t||² / group mean")
     scatter(records, normalized_points, "normalized", labels, args.out_dir / "proxy_fidelity_normalized.png")
+    write_records("proxy_fidelity", {"snapshots": records}, args.out_dir)
     path = report(records, plan, time.perf_counter() - started, args.out_dir)
     print(f"wrote {path}", file=sys.stderr)
     return records

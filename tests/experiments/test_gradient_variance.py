@@ -1,6 +1,7 @@
 """experiments/gradient_variance.py: the per-batch gradients against autograd, the statistics' identities, and the
 quick run's report structure and invariants, never the verdict."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -143,6 +144,13 @@ def test_quick_run_writes_the_report(tmp_path):
         assert f"gradient_variance_snr_{kind}.png" in report
     assert f"**R = {gv.QUICK.replicates}**" in report
     assert list(results) == list(gv.QUICK.snapshots)
+    saved = json.loads((tmp_path / "gradient_variance_records.json").read_text())  # the numbers behind the figures
+    assert list(saved["snapshots"]) == list(results) and saved["estimators"] == list(gv.ESTIMATORS)
+    for name, result in results.items():
+        snr = saved["snapshots"][name]["statistics"]["snr"]
+        torch.testing.assert_close(
+            torch.tensor(snr["point"], dtype=torch.float64), result["point"]["snr"].double(), rtol=1e-5, atol=0
+        )
     shape = (len(gv.ESTIMATORS), len(gv.QUICK.group_sizes))
     for name in gv.ESTIMATORS:  # a row in the headline table, and in the 4 tables of every snapshot
         assert sum(line.startswith(f"| {name} |") for line in report.splitlines()) == 1 + 4 * len(results)

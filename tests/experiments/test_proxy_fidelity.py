@@ -1,10 +1,12 @@
 """experiments/proxy_fidelity.py --quick: the report's structure and the invariants of F6, never the verdict."""
 
+import json
 import math
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -21,6 +23,11 @@ def test_quick_run_writes_the_report_and_respects_f6(tmp_path):
         assert f"proxy_fidelity_{figure}.png" in report
     assert "## What this shows" in report
     assert list(records) == list(proxy_fidelity.SNAPSHOTS)
+    saved = json.loads((tmp_path / "proxy_fidelity_records.json").read_text())  # the numbers behind the figures
+    assert list(saved["snapshots"]) == list(records)
+    for name, record in records.items():
+        assert saved["snapshots"][name]["token"]["pearson"] == pytest.approx(record["token"]["pearson"], rel=1e-5)
+        assert len(saved["snapshots"][name]["arrays"]["W"]) == record["responses"]
     for name, record in records.items():
         assert sum(line.startswith(f"| {name} |") for line in report.splitlines()) == 4  # policy + 3 tables
         for kind in ("token", "sequence", "normalized"):
