@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from common import new_figure, write_report
+from common import new_figure, write_records, write_report
 from otb_ref import ESTIMATORS
 from otb_ref.exact import (
     POPULATION_ESTIMATORS,
@@ -676,6 +676,7 @@ def main(argv: list[str] | None = None) -> Outcome:
     population, groups = measure(grid)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sections = report_sections(grid, population, groups, args.out_dir)
+    write_records("exact_variance", {"population": population, "groups": groups}, args.out_dir)
     title = "Exact variance and bias of every estimator, by enumeration"
     report = write_report("exact_variance", title, sections, time.perf_counter() - started, args.out_dir)
     return Outcome(report, population, groups)

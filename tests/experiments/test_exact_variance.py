@@ -1,6 +1,7 @@
 """experiments/exact_variance.py in its quick mode: the report's structure, and the invariants that are theorems
 (F1, F3, F4, F6, F7, E2 of docs/THEORY.md and proofs/). No measured number or ordering that is not a theorem."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def test_quick_report_has_every_estimator_case_and_plot(quick):
     text = outcome.report.read_text()
     for part in ("Machine:", "Wall time:", "## What this shows", "## Population baselines", "## Finite groups"):
         assert part in text
+    saved = json.loads((out_dir / "exact_variance_records.json").read_text())  # the numbers behind the figures
+    assert len(saved["population"]) == len(outcome.population) and len(saved["groups"]) == len(outcome.groups)
     header = "| V | L | responses | " + " | ".join(ev.population_label(n) for n in ev.POPULATION) + " |"
     assert text.count(header) == len({lengths for lengths, _, _ in ev.QUICK.population}) * len(ev.PANELS)
     lines = text.splitlines()
