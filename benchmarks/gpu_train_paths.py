@@ -60,7 +60,7 @@ import traceback
 
 import torch
 
-from harness import emit, sync
+from harness import emit, peak_gib, reset_peak, sync
 from otb_train import distributed
 from otb_train.config import Config
 from otb_train.losses import clipped_policy_loss
@@ -144,16 +144,6 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def peak_gib(device: torch.device) -> float | None:
-    """Peak device memory since the last reset, GiB (None on CPU)."""
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
 
 
 def environment(env: distributed.Dist) -> dict:

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from harness import machine, sync
+from harness import machine, sync, timed
 from otb_ref import row_grad_norms_sq
 
 CPU_CASES = [
@@ -92,23 +90,6 @@ def loop(model, ids, mask, rows: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def measure(fn, device: torch.device, repeats: int) -> tuple[float, float | None, object]:
-    """(median seconds, peak bytes beyond what was allocated before or None, last result)."""
-    result = fn()  # warm-up
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
-    return statistics.median(times), peak, result
-
-
 def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False) -> dict:
     model = build(case, device, dtype, checkpointing)
     rows, length = shape
@@ -125,18 +106,18 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
         **{k: v for k, v in case.items() if k not in ("shape", "dtype")},
     )
     # The lambdas run here, before the `del model` below frees the model (hence the F821 waivers).
-    t_ord, m_ord, _ = measure(lambda: ordinary(model, ids, mask), device, args.repeats)  # noqa: F821
-    t_one, m_one, norms = measure(lambda: one_pass(model, ids, mask), device, args.repeats)  # noqa: F821
-    timed = min(rows, args.loop_rows)
-    t_loop, m_loop, loop_norms = measure(lambda: loop(model, ids, mask, timed), device, 1)  # noqa: F821
-    rel = ((norms[:timed].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
+    t_ord, m_ord, _ = timed(lambda: ordinary(model, ids, mask), device, args.repeats)  # noqa: F821
+    t_one, m_one, norms = timed(lambda: one_pass(model, ids, mask), device, args.repeats)  # noqa: F821
+    loop_rows = min(rows, args.loop_rows)
+    t_loop, m_loop, loop_norms = timed(lambda: loop(model, ids, mask, loop_rows), device, 1)  # noqa: F821
+    rel = ((norms[:loop_rows].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
     record.update(
         ordinary_s=t_ord,
         one_pass_s=t_one,
-        loop_s=t_loop * rows / timed,
-        loop_rows_timed=timed,
+        loop_s=t_loop * rows / loop_rows,
+        loop_rows_timed=loop_rows,
         one_pass_over_ordinary=t_one / t_ord,
-        loop_over_one_pass=t_loop * rows / timed / t_one,
+        loop_over_one_pass=t_loop * rows / loop_rows / t_one,
         max_rel_diff_one_pass_vs_loop=float(rel),
     )
     if m_ord is not None:

@@ -53,6 +53,33 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
     return statistics.median(times)
 
 
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, int | None, object]:
+    """``(median seconds, peak CUDA bytes beyond what was allocated before or None on CPU, last result)`` of
+    ``repeats`` calls after one warm-up."""
+    result = fn()  # warm-up
+    sync(device)
+    reset_peak(device)
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(sync(device) - start)
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+    return statistics.median(times), peak, result
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """Peak device memory since the last :func:`reset_peak`, GiB (None on CPU)."""
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+
+
 def time_cuda(fn: Callable[[], object], repeats: int) -> dict:
     """First call (wall clock, compilation included), then the median of ``repeats`` calls timed with CUDA events."""
     torch.cuda.synchronize()
