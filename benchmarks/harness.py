@@ -43,14 +43,7 @@ def sync(device: torch.device) -> float:
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall-clock seconds of ``repeats`` calls after one warm-up, the device synchronised around each."""
-    fn()  # warm-up
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(sync(device) - start)
-    return statistics.median(times)
+    return timed(fn, device, repeats)[0]
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, int | None, object]:

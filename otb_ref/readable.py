@@ -75,7 +75,7 @@ def otb_advantages(rewards, mask, index, old_log_probs, sum_pi_squared, leave_on
     """
     m = (mask != 0).double()  # values off the mask are ignored, whatever they are
     r = torch.where(m > 0, rewards.double(), 0.0)
-    w = torch.where(m > 0, 1 - 2 * old_log_probs.double().exp() + sum_pi_squared.double(), 0.0)  # w_t
+    w = torch.where(m > 0, token_energy(old_log_probs.double(), sum_pi_squared.double()), 0.0)  # w_t (F6)
     W = w.cumsum(dim=-1)  # W_t, carried through holes
     G = r.flip(-1).cumsum(dim=-1).flip(-1)  # G_t
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
