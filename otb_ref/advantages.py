@@ -43,7 +43,7 @@ import torch
 from otb_ref import _checks
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
-from otb_ref.readable import generated_token_rank, group_std, returns_to_go, to_slots
+from otb_ref.readable import generated_token_rank, group_baseline, group_std, returns_to_go, to_slots
 
 __all__ = [
     "ESTIMATORS",
@@ -94,42 +94,23 @@ def _segment_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> 
     return out.index_add_(0, group, values)
 
 
-def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` where the denominator is positive, else 0."""
-    positive = denominator > 0
-    return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
+# Precision rule (THEORY §3): energies and returns are computed in the compute dtype; every group statistic (sums,
+# plain means, baselines, σ) and ``G − B`` in float64, and the advantage is rounded to the compute dtype once.
+# Leave-one-out forms are "group total minus own term": in fp32 that subtraction loses the others' share when one
+# row's weight dominates its group (a baseline of 3e3 for returns of size 1 was seen); in fp64 it is rounding.
+_GROUP_DTYPE = torch.float64
 
 
-# Leave-one-out forms "group total minus own term". When one row's weight
-# dominates its group, that subtraction cancels: in fp32 the others' share is
-# lost entirely (a baseline of 3e3 for returns of size 1 was seen). The group
-# sums and the subtraction are therefore done in float64.
-_LEAVE_ONE_OUT_DTYPE = torch.float64
-
-
-def _group_weighted_mean(
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    group: torch.Tensor,
-    num_groups: int,
-    leave_one_out: bool,
-    epsilon: float,
+def _baseline_from_sums(
+    members: torch.Tensor, weighted: torch.Tensor, weight: torch.Tensor, total: torch.Tensor, epsilon: float
 ) -> torch.Tensor:
-    """Baseline ``Σ_j w_j x_j / (Σ_j w_j + ε)`` over each row's group (F7), ``[B] -> [B]``.
-
-    Weights are zero for rows that do not count. With ``leave_one_out`` the
-    row's own term is removed from both sums; that subtraction is done in
-    float64 (see :data:`_LEAVE_ONE_OUT_DTYPE`).
-    """
-    dtype = values.dtype
-    if leave_one_out:
-        values, weights = values.to(_LEAVE_ONE_OUT_DTYPE), weights.to(_LEAVE_ONE_OUT_DTYPE)
-    weighted = weights * values
-    numerator = _segment_sum(weighted, group, num_groups)[group]
-    denominator = _segment_sum(weights, group, num_groups)[group]
-    if leave_one_out:
-        numerator, denominator = numerator - weighted, denominator - weights
-    return _safe_ratio(numerator, denominator + epsilon).to(dtype)
+    """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes): their number
+    ``n``, ``Σ a x``, ``Σ a`` and ``Σ x``, with ``x̄ = Σ x / n``. ``B = x̄`` where ``Σ a + ε ≤ 0``; 0 where ``n = 0``.
+    A convex combination of the members' values (:func:`otb_ref.readable.group_baseline`, THEORY §3)."""
+    mean = torch.where(members > 0, total / members.clamp(min=1), 0.0)  # x̄
+    denominator = weight + epsilon
+    positive = denominator > 0
+    return torch.where(positive, (weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)
 
 
 def _std_scale(
@@ -144,7 +125,7 @@ def _std_scale(
     (:func:`otb_ref.readable.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
     not ``apply`` [B] or the group's centred values do not differ (zero spread: no division of an ε residue by ε).
     """
-    sd, spread = group_std(centred, alive, group, num_groups)
+    sd, spread = group_std(centred.to(_GROUP_DTYPE), alive.to(_GROUP_DTYPE), group, num_groups)  # fp64
     sd = sd + epsilon
     return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
 
@@ -403,39 +384,41 @@ def _sequence_advantages(
     counted = torch.ones(batch_size, dtype=torch.bool, device=device)
     counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
     in_group = counts[inputs.group] >= 2  # [B]
-    baseline = _group_weighted_mean(
-        total_return, v, inputs.group, inputs.num_groups, spec.leave_one_out, baseline_epsilon
-    )
-    advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B]
+    baseline = group_baseline(
+        v, counted, total_return, inputs.group, spec.leave_one_out, baseline_epsilon, inputs.num_groups
+    )  # fp64
+    advantage = total_return.to(_GROUP_DTYPE) - torch.where(in_group, baseline, 0.0)  # [B] fp64
     if spec.std_normalize:  # σ of R over the group
         alive = torch.ones_like(total_return)[:, None]
         advantage = advantage * _std_scale(
             total_return[:, None], alive, inputs.group, inputs.num_groups, in_group, epsilon
         )
-    return advantage[:, None] * mask, total_return[:, None] * mask
+    return advantage.to(dtype)[:, None] * mask, total_return[:, None] * mask
 
 
-def _token_advantages(
-    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_epsilon: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
+class _GroupSums(NamedTuple):
+    """Pass 1 of the token estimators: per-row values and the ``[G, T]`` fp64 sums over each group's alive rows
+    at every position (generated-token rank with multi-turn)."""
 
-    Pass 1 (per row block): returns to go, realized energies ``W_t``, and the
-    group sums ``Σ_j W_t^j G_t^j`` and ``Σ_j W_t^j`` by ``index_add_`` into
-    ``[G, T]``. Pass 2 (per row block): each row's baseline from its group's
-    sums (minus its own term with ``leave_one_out``), where it applies.
-    """
+    returns: torch.Tensor  # G_t [B, T], compute dtype
+    lengths: torch.Tensor  # generated tokens per row [B]
+    own_W: torch.Tensor | None  # m_t W_t [B, T] (leave-one-out only)
+    members: torch.Tensor  # Σ_j m_t^j
+    weighted: torch.Tensor  # Σ_j m_t^j W_t^j G_t^j
+    weight: torch.Tensor  # Σ_j m_t^j W_t^j
+    total: torch.Tensor  # Σ_j m_t^j G_t^j
+
+
+def _token_group_sums(spec: Estimator, inputs: _Inputs, multi_turn: bool) -> _GroupSums:
+    """Pass 1 (per row block): returns to go, realized energies ``W_t`` and the group sums, by ``index_add_``."""
     batch_size, length = inputs.rewards.shape
     device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
     blocks = _row_blocks(batch_size, length, device)
     returns = _rows_output(blocks, (batch_size, length), dtype, device)  # G_t [B, T]
     lengths = _rows_output(blocks, (batch_size,), torch.long, device)  # generated tokens per row
     own_W = _rows_output(blocks, (batch_size, length), dtype, device) if spec.leave_one_out else None  # W_t [B, T]
-    sum_dtype = _LEAVE_ONE_OUT_DTYPE if spec.leave_one_out else dtype
-    numerator = torch.zeros((inputs.num_groups, length), dtype=sum_dtype, device=device)  # Σ_j W_t^j G_t^j [G, T]
-    denominator = torch.zeros_like(numerator)  # Σ_j W_t^j [G, T]
-
-    for rows in blocks:  # pass 1
+    sums = [torch.zeros((inputs.num_groups, length), dtype=_GROUP_DTYPE, device=device) for _ in range(4)]
+    for rows in blocks:
         block = _read_block(spec, inputs, rows)
         mask = block.mask
         lengths = _put(lengths, rows, mask.sum(dim=-1).long())
@@ -451,17 +434,31 @@ def _token_advantages(
             own_W = _put(own_W, rows, W)
         if multi_turn:  # compare k-th generated tokens, not absolute positions
             slot = generated_token_rank(mask)
-            W, G = to_slots(W, slot), to_slots(G, slot)
-        # In sum_dtype before multiplying: pass 2 subtracts exactly this product for leave-one-out.
-        W, G = W.to(sum_dtype), G.to(sum_dtype)
-        numerator.index_add_(0, group[rows], W * G)
-        denominator.index_add_(0, group[rows], W)
+            W, G, mask = to_slots(W, slot), to_slots(G, slot), to_slots(mask, slot)
+        # In fp64 before multiplying: pass 2 subtracts exactly these products for leave-one-out.
+        W, G, mask = W.to(_GROUP_DTYPE), G.to(_GROUP_DTYPE), mask.to(_GROUP_DTYPE)
+        for total, term in zip(sums, (mask, W * G, W, mask * G)):
+            total.index_add_(0, group[rows], term)
+    return _GroupSums(returns, lengths, own_W, *sums)
 
+
+def _token_advantages(
+    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
+
+    Pass 1 (:func:`_token_group_sums`). Pass 2 (per row block): each row's baseline from its group's sums (minus
+    its own term with ``leave_one_out``) by :func:`_baseline_from_sums`, where it applies; ``G − B`` in fp64.
+    """
+    batch_size, length = inputs.rewards.shape
+    device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
+    sums = _token_group_sums(spec, inputs, multi_turn)
+    returns, lengths = sums.returns, sums.lengths
     counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
     counts = _segment_sum(counted.long(), group, inputs.num_groups)  # [G]
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway).
-    group_has_baseline = (counts >= 2).to(dtype)  # [G]
+    group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [G]
     tail_start = None
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts, length)
@@ -473,29 +470,31 @@ def _token_advantages(
             slot = generated_token_rank(alive)
             centred, alive = to_slots(returns, slot), to_slots(alive, slot)
         scale = _std_scale(centred, alive, group, inputs.num_groups, counted & (counts[group] >= 2), epsilon)
-    group_baseline = None
+    group_sums = (sums.members, sums.weighted, sums.weight, sums.total)
+    baseline_of_group = None
     if not spec.leave_one_out:
-        group_baseline = _safe_ratio(numerator, denominator + baseline_epsilon) * group_has_baseline[:, None]  # [G, T]
+        baseline_of_group = _baseline_from_sums(*group_sums, baseline_epsilon) * group_has_baseline[:, None]  # [G, T]
     positions = torch.arange(length, device=device)
+    blocks = _row_blocks(batch_size, length, device)
     advantages = _rows_output(blocks, (batch_size, length), dtype, device)
-
     for rows in blocks:  # pass 2
-        mask = inputs.mask[rows].to(dtype)
+        mask = inputs.mask[rows].to(_GROUP_DTYPE)
+        G = returns[rows].to(_GROUP_DTYPE)
         slot = generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
-        if spec.leave_one_out:
-            own = own_W[rows].to(sum_dtype)
-            num = _at_slots(numerator[group[rows]], slot) - own * returns[rows].to(sum_dtype)
-            baseline = _safe_ratio(num, _at_slots(denominator[group[rows]], slot) - own + baseline_epsilon).to(dtype)
-            baseline = baseline * group_has_baseline[group[rows], None]
+        if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
+            own_W = sums.own_W[rows].to(_GROUP_DTYPE)
+            at = [_at_slots(s[group[rows]], slot) for s in group_sums]
+            others = (at[0] - mask, at[1] - own_W * G, at[2] - own_W, at[3] - mask * G)
+            baseline = _baseline_from_sums(*others, baseline_epsilon) * group_has_baseline[group[rows], None]
         else:
-            baseline = _at_slots(group_baseline[group[rows]], slot)  # [b, T]
+            baseline = _at_slots(baseline_of_group[group[rows]], slot)  # [b, T]
         if tail_start is not None:
             token_position = slot if multi_turn else positions[None, :]
             baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)
-        advantage = (returns[rows] - baseline).mul_(mask)
+        advantage = (G - baseline).mul_(mask)
         if scale is not None:
             advantage.mul_(scale[rows, None])
-        advantages = _put(advantages, rows, advantage)
+        advantages = _put(advantages, rows, advantage.to(dtype))
     return advantages, returns
 
 

@@ -97,8 +97,10 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
         sum_pi_squared: ``[...]`` same shape, from :func:`sum_pi_squared`.
 
     Returns:
-        ``[...]`` in fp32 (fp64 if either input is fp64), clamped into
-        ``[0, 2]`` (the exact value lies there; the clamp removes rounding).
+        ``[...]`` in fp32 (fp64 if either input is fp64), evaluated as
+        ``(1 − 2π) + Σπ²`` in that dtype and clamped into ``[0, 2]`` (the
+        exact value lies there when log π and Σπ² come from one
+        distribution; the clamp removes rounding, and inputs that do not).
 
     Accuracy: the error is a few units of the last place of 1 (~1e-15 in fp64, ~5e-7 in fp32), absolute. As
     ``π(y) → 1`` the form cancels (``Σπ²`` itself is only known to that precision near 1), so an energy ``w``
@@ -114,7 +116,7 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
         )
     dtype = compute_dtype(log_probs, sum_pi_squared)
     pi_y = torch.exp(log_probs.detach().to(dtype))
-    return torch.add(sum_pi_squared.detach().to(dtype), pi_y, alpha=-2.0).add_(1.0).clamp_(0.0, 2.0)
+    return (1.0 - 2.0 * pi_y).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)  # (1 − 2π) + Σπ², clamped
 
 
 def _default_chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:

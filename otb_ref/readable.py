@@ -16,13 +16,22 @@ prompt.
 * Energies. Per-token energy ``w_t`` (``length``: 1; ``proxy``: ``1 − 2π(y_t) + Σπ²``), times ``ρ̄_t²`` with IS
   weights. Sequence weight ``v = Σ_t m_t w_t`` (``uniform``: 1; ``exact``: ``‖S‖²``). Realized energy
   ``W_t = Σ_{j ≤ t} m_j w_j`` (``uniform``: 1; ``exact``: ``‖S_t‖²``, the caller's ``cumulative_energy``).
-* Sequence baselines: ``b_i = Σ_{j ∈ g} v_j R_j / Σ_{j ∈ g} v_j``, then ``A_it = (R_i − b_i) m_it``.
-* Token baselines: ``B_it = Σ_{j ∈ g} m_jt W_jt G_jt / Σ_{j ∈ g} m_jt W_jt``, then ``A_it = (G_it − B_it) m_it``.
-* Leave-one-out: the sums over ``g`` skip ``j = i`` (unbiased, F7). Groups of one get no baseline.
+* Sequence baselines: ``b_i = (Σ_{j ∈ g} v_j R_j + ε R̄) / (Σ_{j ∈ g} v_j + ε)`` with ``R̄`` the members' plain
+  mean, then ``A_it = (R_i − b_i) m_it``.
+* Token baselines: ``B_it = (Σ_{j ∈ g} m_jt W_jt G_jt + ε Ḡ_t) / (Σ_{j ∈ g} m_jt W_jt + ε)`` with ``Ḡ_t`` the plain
+  mean of the members alive at t, then ``A_it = (G_it − B_it) m_it``.
+* Every baseline is a convex combination of its members' values (ε is shared among them): ``|G − B|`` never
+  exceeds the members' spread, whatever the energies (:func:`group_baseline`). Where the denominator is 0 it is
+  the plain mean.
+* Leave-one-out: the sums over ``g`` skip ``j = i`` (unbiased, F7). No baseline (0): groups of one, a
+  leave-one-out row with no other member alive at its position, and the zero tail below.
 * Std scaling (GRPO): ``A ← A / (σ_g + ε)`` with ``σ_g`` the group's unbiased std of what its baseline centres
   (:func:`group_std`): ``R`` for sequence cells, ``G_t`` pooled within positions for token cells (THEORY §3).
   A group whose centred values do not differ (zero spread) is left unscaled.
-* ``ε`` is added to energy-weighted denominators (``proxy``, ``exact``) only; a denominator ``≤ 0`` gives 0.
+* ``ε`` (the baseline's) applies to energy-weighted baselines (``proxy``, ``exact``) only; counts divide exactly.
+* Precision: energies and returns in the compute dtype (fp64 if any floating value input is fp64, else fp32);
+  group sums, baselines, σ and ``G − B`` in fp64; advantages rounded to the compute dtype once.
+* Energies: ``w_t`` is clamped into [0, 2] (:func:`otb_ref.proxy.token_energy`).
 * Empty responses (``m ≡ 0``) count as members of their group (with ``R = 0``), except with multi-turn.
 * Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
   empty responses take no part in their group.
@@ -31,8 +40,9 @@ prompt.
   verl; with holes and no multi-turn, lengths and positions then differ).
 
 Values off the mask are ignored, whatever they are (NaN included). Leave-one-out sums are "group total minus
-own term", as in the fast path: when the others' weights are below ~1e-16 of a row's own, that difference is
-rounding (fp64 limits it; computing ``Σ_{j ≠ i}`` directly gives other numbers there). Combinations that
+own term" in fp64, as in the fast path: when the others' weights are below ~1e-16 of a row's own and ε = 0, that
+difference is rounding (computing ``Σ_{j ≠ i}`` directly, as :func:`otb_advantages` does, gives other numbers
+there); with ε > 0 the error in B is at most ~1e-16 × (own weight) / ε of the members' values. Combinations that
 ``compute_advantages`` rejects (``multi_turn`` or ``handle_zero_tail`` on sequence estimators, IS weights with
 ``uniform`` or ``exact`` energy) are undefined here: this module does not validate.
 """
@@ -50,7 +60,7 @@ __all__ = [
     "generated_token_rank",
     "to_slots",
     "energies",
-    "group_mean",
+    "group_baseline",
     "sequence_advantages",
     "token_advantages",
     "group_std",
@@ -60,34 +70,46 @@ __all__ = [
 
 
 def otb_advantages(rewards, mask, index, old_log_probs, sum_pi_squared, leave_one_out=False, epsilon=1e-8):
-    """The Optimal Token Baseline with the logit-gradient proxy, self-contained: advantages [B, T] in fp64.
+    """The Optimal Token Baseline with the logit-gradient proxy, self-contained: advantages [B, T].
 
-        w_t = 1 − 2 π(y_t) + Σ_v π_v²                       per-token energy (F6; π(y_t) = exp(old_log_probs))
+        w_t = clamp(1 − 2 π(y_t) + Σ_v π_v², 0, 2)          per-token energy (F6; π(y_t) = exp(old_log_probs))
         W_t = Σ_{j ≤ t} m_j w_j                             realized energy up to token t
         G_t = Σ_{k ≥ t} m_k r_k                             return to go
-        B_t = Σ_{j ∈ g} m_jt W_jt G_jt / (Σ_{j ∈ g} m_jt W_jt + ε)   per-position baseline over the group (F5)
+        Ḡ_t = Σ_{j ∈ g} m_jt G_jt / Σ_{j ∈ g} m_jt           plain mean of the members alive at t
+        B_t = (Σ_{j ∈ g} m_jt W_jt G_jt + ε Ḡ_t) / (Σ_{j ∈ g} m_jt W_jt + ε)   per-position baseline (F5, THEORY §3)
         A_t = (G_t − B_t) m_t
 
-    ``g`` is the responses with the same ``index`` (the same prompt); ``leave_one_out`` leaves row i out of its own
-    baseline (unbiased, F7). A group of one response gets no baseline; a denominator ``≤ 0`` gives 0. rewards,
-    mask, old_log_probs, sum_pi_squared: [B, T]; index: [B] prompt ids. Equal to ``compute_advantages("otb", ...)``
-    (tests/test_otb_ref/test_readable.py); :func:`advantages` adds the other estimators and options.
+    ``g`` is the responses with the same ``index`` (the same prompt), or the others with ``leave_one_out``
+    (unbiased, F7). Every rule that decides a number, each in its own line below:
+
+    * clamp: ``w_t`` is clamped into [0, 2], where it lies when log π and Σπ² come from one distribution; the
+      clamp removes rounding (a confident token cancels to ± a few ulps) and inputs from different distributions.
+    * ε: shared among the members (weight ``ε/n`` each beside ``m W``), so ``B_t`` is a convex combination of
+      the members' ``G_t``: ``|G_t − B_t|`` never exceeds their spread, whatever the energies; where every energy
+      is 0, ``B_t = Ḡ_t``; where the denominator is 0 (ε = 0, no energy), ``B_t = Ḡ_t`` too.
+    * no baseline (``B_t = 0``): a group of one response; a leave-one-out row with no other member alive at t.
+    * precision: ``w``, ``W`` and ``G`` in the compute dtype (fp64 if any value input is fp64, else fp32); the
+      group sums, ``Ḡ``, ``B`` and ``G − B`` in fp64; the advantage rounded to the compute dtype once, at the end.
+
+    rewards, mask, old_log_probs, sum_pi_squared: [B, T]; index: [B] prompt ids. Equal to ``compute_advantages("otb",
+    ...)`` (tests/test_otb_ref/test_readable.py); :func:`advantages` adds the other estimators and options.
     """
-    m = (mask != 0).double()  # values off the mask are ignored, whatever they are
-    r = torch.where(m > 0, rewards.double(), 0.0)
-    w = torch.where(m > 0, token_energy(old_log_probs.double(), sum_pi_squared.double()), 0.0)  # w_t (F6)
+    fp64 = torch.float64 in (rewards.dtype, old_log_probs.dtype, sum_pi_squared.dtype)
+    dt = torch.float64 if fp64 else torch.float32  # the compute dtype
+    m = (mask != 0).to(dt)  # values off the mask are ignored, whatever they are
+    r = torch.where(m > 0, rewards.to(dt), 0.0)
+    w = torch.where(m > 0, (1 - 2 * old_log_probs.to(dt).exp() + sum_pi_squared.to(dt)).clamp(0.0, 2.0), 0.0)  # w_t
     W = w.cumsum(dim=-1)  # W_t, carried through holes
     G = r.flip(-1).cumsum(dim=-1).flip(-1)  # G_t
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     same = torch.tensor([[a == b for b in ids] for a in ids], dtype=torch.float64, device=m.device)  # [B, B]
-    weight = m * W  # [B, T] only tokens that exist take part
-    num, den = same @ (weight * G), same @ weight  # group sums at each position
-    if leave_one_out:
-        num, den = num - weight * G, den - weight
-    den = den + epsilon
-    baseline = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)  # B_t
-    baseline = torch.where(same.sum(dim=1, keepdim=True) >= 2, baseline, 0.0)  # groups of one: no baseline
-    return (G - baseline) * m
+    members = same - torch.eye(len(ids), dtype=torch.float64, device=m.device) if leave_one_out else same
+    alive, a, x = m.double(), (m * W).double(), G.double()  # from here on fp64
+    n, num, den = members @ alive, members @ (a * x), members @ a + epsilon  # at each t: n, Σ m W G, Σ m W + ε
+    mean = torch.where(n > 0, (members @ (alive * x)) / n.clamp(min=1), 0.0)  # Ḡ_t (0 where no member)
+    baseline = torch.where(den > 0, (num + epsilon * mean) / torch.where(den > 0, den, 1.0), mean)  # B_t
+    baseline = torch.where(same.sum(dim=1, keepdim=True) >= 2, baseline, 0.0)  # a group of one: no baseline
+    return ((x - baseline) * alive).to(dt)
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,39 +142,50 @@ def energies(
     return w.sum(dim=-1), w.cumsum(dim=-1)  # v = Σ_t w_t, W_t = Σ_{j ≤ t} w_j
 
 
-def group_mean(weights, values, group, leave_one_out: bool, epsilon: float) -> torch.Tensor:
-    """``Σ_{j ∈ g(i)} a_j x_j / (Σ_{j ∈ g(i)} a_j + ε)`` per row (``j ≠ i`` with leave-one-out); 0 where the
-    denominator is ``≤ 0``. weights, values: [B, ...]; group: [B] ids in [0, G). Returns [B, ...]."""
-    num_groups = int(group.max()) + 1 if group.numel() else 0
-    num = values.new_zeros(num_groups, *values.shape[1:]).index_add_(0, group, weights * values)
-    den = values.new_zeros(num_groups, *values.shape[1:]).index_add_(0, group, weights)
-    num, den = num[group], den[group]
-    if leave_one_out:
-        num, den = num - weights * values, den - weights
-    den = den + epsilon
-    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
+def group_baseline(weights, alive, values, group, leave_one_out: bool, epsilon: float, num_groups=None) -> torch.Tensor:
+    """Each row's baseline in fp64: a convex combination of its group's members' values (THEORY §3),
+
+        B = (Σ_j a_j x_j + ε x̄) / (Σ_j a_j + ε),   x̄ = Σ_j x_j / n   (B = x̄ where the denominator is 0),
+
+    over the n members j (rows ``alive`` there, of the same group; ``j ≠ i`` with leave-one-out), with energy weights
+    ``a_j ≥ 0`` and ε shared among them; 0 where there is no member. Leave-one-out sums are "group total minus own
+    term" in fp64 (as in the fast path). weights, alive, values: [B, ...], alive 0/1; group: [B] ids in [0, G);
+    ``num_groups``: G when the caller knows it (no host read)."""
+    if num_groups is None:
+        num_groups = int(group.max()) + 1 if group.numel() else 0
+    a, x, alive = weights.double(), values.double(), alive.double()
+
+    def sums(y):  # Σ over each row's members, [B, ...]
+        total = y.new_zeros(num_groups, *y.shape[1:]).index_add_(0, group, y)[group]
+        return total - y if leave_one_out else total
+
+    n, num, den = sums(alive), sums(a * x), sums(a) + epsilon
+    mean = torch.where(n > 0, sums(alive * x) / n.clamp(min=1), 0.0)  # x̄, 0 where no member
+    return torch.where(den > 0, (num + epsilon * mean) / torch.where(den > 0, den, 1.0), mean)
 
 
 def sequence_advantages(R, v, mask, group, counted, leave_one_out: bool, epsilon: float) -> torch.Tensor:
-    """``A_it = (R_i − b_i) m_it`` with ``b_i`` the v-weighted group mean of R. R, v, group: [B]; counted: [B]
-    0/1 float; mask: [B, T]. Rows not ``counted`` neither contribute nor get a baseline."""
-    b = group_mean(v * counted, R, group, leave_one_out, epsilon)  # [B]
+    """``A_it = (R_i − b_i) m_it`` (fp64) with ``b_i`` the v-weighted group mean of R (:func:`group_baseline`).
+    R, v, group: [B]; counted: [B] 0/1 float; mask: [B, T]. Rows not ``counted`` neither contribute nor get a
+    baseline."""
+    b = group_baseline(v * counted, counted, R, group, leave_one_out, epsilon)  # [B] fp64
     b = torch.where(_group_size(group, counted) >= 2, b, 0.0) * counted
-    return (R - b)[:, None] * mask
+    return (R.double() - b)[:, None] * mask.double()
 
 
 def token_advantages(
     G, W, mask, group, counted, leave_one_out: bool, epsilon: float, tail_start: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``A_it = (G_it − B_it) m_it`` with ``B_it`` the ``m W``-weighted group mean of ``G`` at position t.
+    """``A_it = (G_it − B_it) m_it`` (fp64) with ``B_it`` the ``m W``-weighted group mean of ``G`` at position t
+    (:func:`group_baseline` over the rows alive at t).
     G, W, mask: [B, T] (already aligned: multi-turn callers pass rank-aligned slots); group: [B]; counted: [B]
     0/1 float. ``tail_start`` [B]: the baseline is 0 at positions ``≥`` it (``T`` for no zero tail)."""
-    weights = W * mask * counted[:, None]  # [B, T]: only tokens that exist take part
-    b = group_mean(weights, G, group, leave_one_out, epsilon)  # [B, T]
+    alive = mask * counted[:, None]  # [B, T]: only tokens that exist take part
+    b = group_baseline(W * alive, alive, G, group, leave_one_out, epsilon)  # [B, T] fp64
     b = torch.where((_group_size(group, counted) >= 2)[:, None], b, 0.0) * counted[:, None]
     if tail_start is not None:
         b = torch.where(torch.arange(G.shape[1], device=G.device) >= tail_start[:, None], 0.0, b)
-    return (G - b) * mask
+    return (G.double() - b) * mask.double()
 
 
 def _group_size(group, counted) -> torch.Tensor:
@@ -202,29 +235,35 @@ def advantages(
     handle_zero_tail=False,
     epsilon=1e-8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages`` (fp64)."""
+    """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages``.
+
+    Precision (as :func:`otb_advantages`): energies and returns in the compute dtype (fp64 if any floating value
+    input is fp64, else fp32; the mask's dtype does not matter); baselines, std scaling and ``G − B`` in fp64; the
+    advantages rounded to the compute dtype once."""
     spec = resolve_estimator(estimator, leave_one_out, std_normalize)  # the table's cell, flags overridden
-    valid = mask != 0
-    rewards, mask = torch.where(valid, rewards.double(), 0.0), valid.double()  # whatever stood off the mask: 0
     tensors = dict(
         old_log_probs=old_log_probs,
         sum_pi_squared=sum_pi_squared,
         cumulative_energy=cumulative_energy,
         rollout_is_weights=rollout_is_weights,
     )
-    tensors = {name: None if x is None else torch.where(valid, x.double(), 0.0) for name, x in tensors.items()}
-    grad_norms_sq = None if grad_norms_sq is None else grad_norms_sq.double()
+    floating = [x for x in (rewards, grad_norms_sq, *tensors.values()) if x is not None and x.is_floating_point()]
+    dt = torch.float64 if any(x.dtype == torch.float64 for x in floating) else torch.float32  # the compute dtype
+    valid = mask != 0
+    rewards, mask = torch.where(valid, rewards.to(dt), 0.0), valid.to(dt)  # whatever stood off the mask: 0
+    tensors = {name: None if x is None else torch.where(valid, x.to(dt), 0.0) for name, x in tensors.items()}
+    grad_norms_sq = None if grad_norms_sq is None else grad_norms_sq.to(dt)
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
     group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long, device=mask.device)  # [B] in [0, G)
     baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     lengths = mask.sum(dim=-1).long()  # [B]
-    counted = (lengths > 0).double() if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
-    v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)
-    G = returns_to_go(rewards, mask)  # [B, T]
+    counted = (lengths > 0).to(dt) if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
+    v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)  # in dt
+    G = returns_to_go(rewards, mask)  # [B, T] in dt
     R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
     if spec.granularity == "sequence":
-        adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)
+        adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)  # fp64
         ret = R[:, None] * mask
         centred, alive = R[:, None], counted[:, None]  # what the baseline centres: R, one value per row
     else:
@@ -234,12 +273,14 @@ def advantages(
             slot = generated_token_rank(mask)  # [B, T]; T (one extra, discarded column) off the mask
             aligned = [to_slots(x, slot) for x in (G, W, mask)]
             adv_slots = token_advantages(*aligned, group, counted, spec.leave_one_out, baseline_epsilon, tail)
-            adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask
+            adv = adv_slots.gather(1, slot.clamp(max=mask.shape[1] - 1)) * mask.double()
             centred, alive = aligned[0], aligned[2] * counted[:, None]
         else:
             adv = token_advantages(G, W, mask, group, counted, spec.leave_one_out, baseline_epsilon, tail)
         ret = G
-    return (std_scaled(adv, centred, alive, group, counted, epsilon) if spec.std_normalize else adv), ret
+    if spec.std_normalize:
+        adv = std_scaled(adv, centred.double(), alive.double(), group, counted.double(), epsilon)
+    return adv.to(dt), ret  # fp64 until here; rounded to the compute dtype once
 
 
 def group_std(values, alive, group, num_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,8 +312,9 @@ def group_std(values, alive, group, num_groups: int | None = None) -> tuple[torc
 def std_scaled(adv, centred, alive, group, counted, epsilon: float) -> torch.Tensor:
     """GRPO's ``A / (σ_g + ε)`` with σ_g = :func:`group_std` of the ``centred`` values (``R`` [B, 1] or ``G_t``
     [B, T]) over their ``alive`` entries. Unchanged: rows not counted, groups of one, and groups with zero spread
-    (their centred values are equal, so ``A`` is 0 up to the ε of an energy-weighted baseline; dividing that
-    residue by ε would amplify it by 1/ε). adv: [B, T]; group, counted: [B]."""
+    (their centred values are equal, so ``A`` is 0 up to rounding; dividing that by ε would amplify it by 1/ε).
+    Every baseline is a convex combination of alive values at its position, so ``|A| ≤ √(2 D_g)`` after scaling
+    (proofs/F7, remark "What σ is"). adv: [B, T]; group, counted: [B]."""
     sd, spread = group_std(centred, alive, group)
     sd = sd + epsilon
     scale = torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)  # 1/(σ + ε)

@@ -65,9 +65,13 @@ def reference_advantages(
             return float(cumulative_energy[i, t])
         return sum(token_w(i, k) for k in range(t + 1))
 
-    def ratio(num, den):
-        den = den + (epsilon if spec.energy in ("proxy", "exact") else 0.0)
-        return num / den if den > 0 else 0.0
+    def baseline(weights, values):  # (Σ a x + ε x̄) / (Σ a + ε) over the members; x̄ if that denominator is 0
+        if not values:
+            return 0.0
+        eps = epsilon if spec.energy in ("proxy", "exact") else 0.0
+        mean = sum(values) / len(values)
+        den = sum(weights) + eps
+        return (sum(a * x for a, x in zip(weights, values)) + eps * mean) / den if den > 0 else mean
 
     groups: dict = {}
     for i, key in enumerate(index):
@@ -100,7 +104,7 @@ def reference_advantages(
             if spec.granularity == "sequence":
                 b = 0.0
                 if n >= 2 and counted[i]:
-                    b = ratio(sum(seq_weight(j) * R[j] for j in others), sum(seq_weight(j) for j in others))
+                    b = baseline([seq_weight(j) for j in others], [R[j] for j in others])
                 for t in range(T):
                     if valid[i][t]:
                         ret[i][t] = R[i]
@@ -110,7 +114,7 @@ def reference_advantages(
                     ret[i][t] = G[i][t]
                 for k, t in enumerate(positions[i]):
                     p = k if multi_turn else t  # coordinate of this token
-                    num = den = 0.0
+                    weights, values = [], []
                     for j in others:
                         if multi_turn:
                             if p >= lengths[j]:
@@ -120,10 +124,9 @@ def reference_advantages(
                             if not valid[j][p]:
                                 continue
                             tj = p
-                        w = cum_weight(j, tj)
-                        num += w * G[j][tj]
-                        den += w
-                    b = ratio(num, den) if (n >= 2 and counted[i]) else 0.0
+                        weights.append(cum_weight(j, tj))
+                        values.append(G[j][tj])
+                    b = baseline(weights, values) if (n >= 2 and counted[i]) else 0.0
                     if handle_zero_tail and n >= 2 and counted[i]:
                         group_lengths = sorted(lengths[j] for j in rows)
                         longest, second = group_lengths[-1], group_lengths[-2]

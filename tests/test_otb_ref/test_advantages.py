@@ -113,10 +113,9 @@ def test_leave_one_out_with_a_dominant_row_in_fp32():
             rollout_is_weights=rho.to(dtype),
             leave_one_out=True,
         )
-        # Row 0's baseline is row 1's return weighted by v_1 / (v_1 + ε), v_1 = 1000 · 0.5 · 1.24e-4².
-        v1 = length * 0.5 * 1.24e-4**2
-        expected = 2.0 * v1 / (v1 + 1e-8)
-        assert abs(float(ret[0, 0] - adv[0, 0]) - expected) < 1e-5 * expected, dtype
+        # Row 0's baseline is (v_1 · 2 + ε · 2) / (v_1 + ε) = 2, row 1's return (a mean of one member, THEORY §3),
+        # although v_1 = 1000 · 0.5 · 1.24e-4² ≈ 7.7e-6 is ~1e-6 of v_0.
+        assert abs(float(ret[0, 0] - adv[0, 0]) - 2.0) < 1e-6, dtype
 
 
 @given(rollout_batches(max_group_size=64, max_groups=2, max_length=4), st.sampled_from(sorted(ESTIMATORS)))

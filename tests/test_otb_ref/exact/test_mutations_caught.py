@@ -555,14 +555,14 @@ def _leave_one_out_definition(case: PolicyCase, name: str, members, rho, epsilon
                 if not m[y][t]:
                     row.append(0.0)
                     continue
-                if granularity == "sequence":
-                    num = sum(energy_to[z][-1] * g[z][0] for z in others)
-                    den = sum(energy_to[z][-1] for z in others) + eps
-                    row.append(g[y][0] - (num / den if den > 0 else 0.0))
-                else:
-                    num = sum(m[z][t] * energy_to[z][t] * g[z][t] for z in others)
-                    den = sum(m[z][t] * energy_to[z][t] for z in others) + eps
-                    row.append(g[y][t] - (num / den if den > 0 else 0.0))
+                # THEORY §3: B = (Σ a G + ε Ḡ) / (Σ a + ε) over the others alive (Ḡ their plain mean; Ḡ if 0/0).
+                alive = others if granularity == "sequence" else [z for z in others if m[z][t]]
+                p = 0 if granularity == "sequence" else t
+                a = [energy_to[z][-1] if granularity == "sequence" else energy_to[z][t] for z in alive]
+                mean = sum(g[z][p] for z in alive) / len(alive) if alive else 0.0
+                num = sum(a_z * g[z][p] for a_z, z in zip(a, alive)) + eps * mean
+                den = sum(a) + eps
+                row.append(g[y][p] - (num / den if den > 0 else mean))
             rows.append(row)
         out.append(rows)
     return torch.tensor(out, dtype=torch.float64)
@@ -762,11 +762,12 @@ def test_f7_multi_turn_aligns_by_generated_token_by_hand():
     torch.testing.assert_close(adv, torch.tensor([[-2.0, 0.0, 2.0], [2.0, 4.0, 0.0]], dtype=torch.float64))
 
 
-def test_f7_zero_epsilon_zero_energy_is_no_baseline_not_nan():
-    """ε = 0 and a position where every energy is 0 (π(y) = 1, Σπ² = 1): 0/0 is the baseline 0, not NaN.
+def test_f7_zero_epsilon_zero_energy_is_plain_mean_not_nan():
+    """ε = 0 and a position where every energy is 0 (π(y) = 1, Σπ² = 1): 0/0 is the members' plain mean (THEORY §3),
+    not NaN and not 0.
 
     Two responses, two tokens; at t = 0 both are certain (w = 0), at t = 1 both have w = 1/2 (π = (1/2, 1/2)).
-    OTB: W_0 = 0 for both: baseline 0, advantage G_0. W_1 = 1/2 for both: baseline mean of G_1 = (1 + 3)/2.
+    OTB: W_0 = 0 for both: baseline the plain mean of G_0 = (1 + 3)/2. W_1 = 1/2 for both: the same mean of G_1.
     """
     rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
     mask = torch.ones(2, 2, dtype=torch.float64)
@@ -776,7 +777,7 @@ def test_f7_zero_epsilon_zero_energy_is_no_baseline_not_nan():
         "otb", rewards, mask, [0, 0], old_log_probs=log_probs, sum_pi_squared=sum_pi_squared, epsilon=0.0
     )
     # w = 1 − 2 exp(log 1/2) + 1/2 is 1/2 to one ulp: atol 1e-15 on values of size 3.
-    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0], [3.0, 1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0], [1.0, 1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
     adv, _ = compute_advantages(
         "otb",
         rewards,
@@ -787,7 +788,8 @@ def test_f7_zero_epsilon_zero_energy_is_no_baseline_not_nan():
         epsilon=0.0,
         leave_one_out=True,
     )
-    torch.testing.assert_close(adv, torch.tensor([[1.0, -2.0], [3.0, 2.0]], dtype=torch.float64), rtol=0, atol=1e-15)
+    # Leave-one-out: at both positions the baseline is the other's G (a mean of one member).
+    torch.testing.assert_close(adv, torch.tensor([[-2.0, -2.0], [2.0, 2.0]], dtype=torch.float64), rtol=0, atol=1e-15)
 
 
 @given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)), st.booleans(), st.booleans(), st.booleans())
