@@ -131,6 +131,7 @@ def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     largest_step = {
         arm: [max(rows, key=lambda r: r["update_norm"])["step"] for rows in per] for arm, per in runs.items()
     }
+    largest_grad = {arm: [max(rows, key=lambda r: r["grad_norm"])["step"] for rows in per] for arm, per in runs.items()}
     first = [rows[0] for per in runs.values() for rows in per]
     zero_from = {arm: [stability.collapse(rows)["zero_from"] for rows in per] for arm, per in runs.items()}
     pairs = (("grpo_n8", "grpo_n32"), ("otb_n8", "otb_n32"), ("grpo_n8", "otb_n8"), ("rloo_n8", "otb_n8"))
@@ -138,6 +139,8 @@ def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
         "runs": len(first),
         "largest_update_step": largest_step,
         "runs_largest_update_at_step_1": sum(s == 1 for per in largest_step.values() for s in per),
+        "largest_grad_norm_step": largest_grad,
+        "runs_largest_grad_norm_at_step_1": sum(s == 1 for per in largest_grad.values() for s in per),
         "step_1_update_norm_range": [min(r["update_norm"] for r in first), max(r["update_norm"] for r in first)],
         "step_1_grad_norm_range": [min(r["grad_norm"] for r in first), max(r["grad_norm"] for r in first)],
         "collapsed_runs": sum(stability.collapse(rows)["collapsed"] for per in runs.values() for rows in per),
@@ -178,8 +181,16 @@ def parameter_counts() -> dict[int, int]:
     return counts
 
 
+def run_seconds(records_dir: Path) -> dict:
+    """Runs, their summed wall seconds and the machines their records name (timings: the machine matters)."""
+    records = [json.loads(path.read_text()) for path in sorted(records_dir.glob("*.json"))]
+    return {"runs": len(records), "seconds": sum(r["wall_seconds"] for r in records),
+            "machines": sorted({r["machine"] for r in records})}  # fmt: skip
+
+
 def readings(results: Path = RESULTS) -> dict:
     return {
+        "run_seconds": {name: run_seconds(results / name) for name in ("reproduction", "stability", "stability_long")},
         "stability_long": stability_long_readings(reproduction.load_records(results / "stability_long")),
         "stability": stability_readings(reproduction.load_records(results / "stability")),
         "reproduction": reproduction_readings(reproduction.load_records(results / "reproduction")),
@@ -243,6 +254,10 @@ def report(data: dict) -> list[str]:
         + ". Exact permutation p: "
         + "; ".join(f"{pair} {p:.2f}" for pair, p in short["zero_reward_from_step_p"].items())
         + ".",
+        f"- Largest gradient norm of a run at step 1: {short['runs_largest_grad_norm_at_step_1']} of {short['runs']} "
+        "runs (steps: "
+        + "; ".join(f"{arm} {_list(steps, 'd')}" for arm, steps in short["largest_grad_norm_step"].items())
+        + ").",
         "",
         "## reproduction (records in `reproduction/`)",
         "",
@@ -255,6 +270,13 @@ def report(data: dict) -> list[str]:
         f"{_list(repro['saving_if_reached_at_last_step'], '.3f')}). At the cap of {repro['n4_token_cap']} tokens "
         f"({reproduction.STEPS} steps × 16 responses × 96 new tokens): "
         f"{reproduction.saving_text(*repro['saving_at_token_cap'])}.",
+        "",
+        "## run time (summed over each experiment's per-run records)",
+        "",
+        *[
+            f"- {name}: {t['runs']} runs, {t['seconds']} s of runs on {', '.join(t['machines'])}"
+            for name, t in data["run_seconds"].items()
+        ],  # fmt: skip
         "",
         "## parameters (built-in Qwen2, 2 layers, `otb_train.model.build_model_and_tokenizer`)",
         "",
