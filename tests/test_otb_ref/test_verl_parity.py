@@ -13,6 +13,7 @@ from optional import import_or_skip
 from strategies import rollout_batches
 
 import otb_ref
+from otb_ref import readable
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
@@ -58,8 +59,50 @@ def test_otb_matches_verl(batch, multi_turn, handle_zero_tail, with_is, dtype):
         rollout_is_weights=None if is_weights is None else is_weights.clone(),
         handle_zero_tail=handle_zero_tail,
     )
-    for got, want in zip(ours, theirs):
-        torch.testing.assert_close(got, want.to(got.dtype), **TOLERANCES[dtype])
+    torch.testing.assert_close(ours[1], theirs[1].to(ours[1].dtype), **TOLERANCES[dtype])  # returns: the same
+    # Advantages: verl's baseline is Σ W G / (Σ W + ε), otb_ref's (Σ W G + ε Ḡ) / (Σ W + ε) (THEORY §3): they differ
+    # by ε |Ḡ| / (Σ W + ε) ≤ ε max_j |G_t^j| / (Σ_j W_t^j + ε) at each position, besides rounding.
+    tol = TOLERANCES[dtype]
+    bound = _epsilon_share(batch, is_weights, multi_turn) + tol["atol"] + tol["rtol"] * theirs[0].abs().double()
+    assert bool(((ours[0].double() - theirs[0].double()).abs() <= bound).all())
+
+
+def _epsilon_share(batch, is_weights, multi_turn, epsilon=1e-8):
+    """``ε max_j |G_t^j| / (Σ_j W_t^j + ε)`` over each row's group at its coordinate (rank with multi-turn), [B, T]."""
+    mask = batch.mask.double()
+    rho = None if is_weights is None else is_weights.double() * mask
+    _, W = readable.energies(
+        otb_ref.ESTIMATORS["otb"],
+        mask,
+        old_log_probs=batch.old_log_probs.double() * mask,
+        sum_pi_squared=batch.sum_pi_squared.double() * mask,
+        rollout_is_weights=rho,
+    )
+    weight, size = W * mask, readable.returns_to_go(batch.rewards.double(), mask).abs() * mask
+    if multi_turn:
+        slot = readable.generated_token_rank(mask)
+        weight, size = readable.to_slots(weight, slot), readable.to_slots(size, slot)
+    same = torch.tensor([[a == b for b in batch.index] for a in batch.index], dtype=torch.bool)
+    total = same.double() @ weight  # Σ_j W_t^j
+    largest = torch.stack([size[row].max(dim=0).values for row in same])  # max_j |G_t^j|
+    share = epsilon * largest / (total + epsilon)
+    return share.gather(1, slot.clamp(max=mask.shape[1] - 1)) if multi_turn and mask.shape[1] else share
+
+
+def test_otb_differs_from_verl_by_the_epsilon_share_on_a_degenerate_group():
+    """Four responses with R = 1 and deterministic tokens (π(y) = 1, Σπ² = 1: every energy is exactly 0; confident
+    fp32 tokens come close, their energies cancel to rounding). verl's Σ W G / (Σ W + ε) leaks to 0 and gives A = 1;
+    otb_ref's baseline is the members' mean, A = 0 (PORTING.md)."""
+    rewards = torch.zeros(4, 3)
+    rewards[:, -1] = 1.0
+    mask = torch.ones(4, 3)
+    log_probs, sum_pi_squared = torch.zeros(4, 3), torch.ones(4, 3)
+    ours, _ = otb_ref.compute_optimal_token_baseline_advantage(rewards, mask, [0] * 4, log_probs, sum_pi_squared)
+    theirs, _ = core_algos.compute_optimal_token_baseline_advantage(
+        rewards, mask, _verl_index([0] * 4), log_probs, sum_pi_squared
+    )
+    assert float(ours.abs().max()) == 0.0
+    assert float((theirs - 1.0).abs().max()) < 1e-6
 
 
 def test_otb_defaults_match_verl():

@@ -125,7 +125,10 @@ def test_config_options_reach_the_estimator_and_match_verls_own_otb():
     theirs = ray_trainer.compute_advantage(
         data, adv_estimator="optimal_token_baseline", config=OmegaConf.create({})
     ).batch["advantages"]
-    torch.testing.assert_close(ours, theirs, **FP32)
+    # Equal up to ε |Ḡ| / (Σ W + ε) (THEORY §3: otb_ref's baseline shares ε with the members' mean): here Σ W ≥ 0.1.
+    torch.testing.assert_close(
+        ours, theirs, rtol=1e-6, atol=1e-6 + 1e-7 * float(data.batch["token_level_rewards"].abs().sum(-1).max())
+    )
     config = OmegaConf.create({"otb_ref": {"multi_turn": True, "epsilon": 1e-6, "leave_one_out": True}})
     got = ray_trainer.compute_advantage(data, adv_estimator="otb_ref.otb", config=config).batch["advantages"]
     want, _ = _expected(data, "otb", multi_turn=True, epsilon=1e-6, leave_one_out=True)
