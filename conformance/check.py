@@ -11,7 +11,8 @@
 as 0/1 float64, ``grad_norms_sq`` ``[B]``, ``index`` a 1-D array of ints or strings; the options are
 ``leave_one_out``, ``std_normalize``, ``epsilon`` and, for token-level estimators, ``multi_turn`` and
 ``handle_zero_tail``. Only the inputs an estimator reads are passed. It returns the advantages ``[B, T]`` or
-``(advantages, returns)``; both are compared with the expected fp64 values within the case's absolute tolerance.
+``(advantages, returns)``; both are compared with the expected fp64 values within the case's absolute tolerance
+(``atol``), and where a case carries ``max_abs`` (rounding-level ties under std scaling) every |A| must stay within it.
 
 Prints one line per failing case (its id, estimator, options, tags, max abs and rel error, tolerance), then a
 summary; exits 1 if any case fails, 2 on a usage error.
@@ -100,6 +101,11 @@ def check_case(fn, case: dict, data: dict) -> tuple[bool, str]:
     if returns is not None:
         worst = max(worst, errors(returns, np.asarray(data["returns"][granularity], np.float64)))
     detail = f"max abs {worst[0]:.3g}, max rel {worst[1]:.3g} (tolerance {case['atol']:.3g} abs)"
+    if "max_abs" in case:  # ill-conditioned case: the size of the advantages is pinned as well
+        size = float(np.max(np.abs(np.asarray(advantages, np.float64)), initial=0.0))
+        detail += f"; max |A| {size:.3g} (at most {case['max_abs']:.3g})"
+        if not size <= case["max_abs"]:
+            return False, detail
     return worst[0] <= case["atol"], detail
 
 

@@ -94,8 +94,8 @@ def _segment_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> 
     return out.index_add_(0, group, values)
 
 
-# Precision rule (THEORY §3): energies and returns are computed in the compute dtype; every group statistic (sums,
-# plain means, baselines, σ) and ``G − B`` in float64, and the advantage is rounded to the compute dtype once.
+# Precision rule (THEORY §3): per-token energies w_t are computed in the compute dtype; from there on (W_t, G_t, R,
+# v, every group statistic, G − B) in float64, and advantages and returns are rounded to the compute dtype once.
 # Leave-one-out forms are "group total minus own term": in fp32 that subtraction loses the others' share when one
 # row's weight dominates its group (a baseline of 3e3 for returns of size 1 was seen); in fp64 it is rounding.
 _GROUP_DTYPE = torch.float64
@@ -371,14 +371,15 @@ def _sequence_advantages(
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _row_blocks(batch_size, length, device)
     mask = _rows_output(blocks, (batch_size, length), dtype, device)
-    total_return = torch.zeros(batch_size, dtype=dtype, device=device)  # R [B]
+    total_return = torch.zeros(batch_size, dtype=_GROUP_DTYPE, device=device)  # R [B] fp64
     v = torch.ones(batch_size, dtype=dtype, device=device)  # sequence weight v [B] (uniform: 1)
     for rows in blocks:
         block = _read_block(spec, inputs, rows)
         mask = _put(mask, rows, block.mask)
-        total_return[rows] = block.rewards.sum(dim=-1)
+        if length:  # R = G_0, summed from the end
+            total_return[rows] = returns_to_go(block.rewards.to(_GROUP_DTYPE), block.mask.to(_GROUP_DTYPE))[:, 0]
         if block.w is not None:
-            v[rows] = block.w.sum(dim=-1)  # v = Σ_t w_t
+            v[rows] = block.w.to(_GROUP_DTYPE).sum(dim=-1)  # v = Σ_t w_t
     if spec.energy == "exact":
         v = inputs.grad_norms_sq.to(dtype)  # v = ||S||²
     counted = torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -387,20 +388,20 @@ def _sequence_advantages(
     baseline = group_baseline(
         v, counted, total_return, inputs.group, spec.leave_one_out, baseline_epsilon, inputs.num_groups
     )  # fp64
-    advantage = total_return.to(_GROUP_DTYPE) - torch.where(in_group, baseline, 0.0)  # [B] fp64
+    advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B] fp64
     if spec.std_normalize:  # σ of R over the group
         alive = torch.ones_like(total_return)[:, None]
         advantage = advantage * _std_scale(
             total_return[:, None], alive, inputs.group, inputs.num_groups, in_group, epsilon
         )
-    return advantage.to(dtype)[:, None] * mask, total_return[:, None] * mask
+    return advantage.to(dtype)[:, None] * mask, total_return.to(dtype)[:, None] * mask
 
 
 class _GroupSums(NamedTuple):
     """Pass 1 of the token estimators: per-row values and the ``[G, T]`` fp64 sums over each group's alive rows
     at every position (generated-token rank with multi-turn)."""
 
-    returns: torch.Tensor  # G_t [B, T], compute dtype
+    returns: torch.Tensor  # G_t [B, T], fp64
     lengths: torch.Tensor  # generated tokens per row [B]
     own_W: torch.Tensor | None  # m_t W_t [B, T] (leave-one-out only)
     members: torch.Tensor  # Σ_j m_t^j
@@ -412,31 +413,31 @@ class _GroupSums(NamedTuple):
 def _token_group_sums(spec: Estimator, inputs: _Inputs, multi_turn: bool) -> _GroupSums:
     """Pass 1 (per row block): returns to go, realized energies ``W_t`` and the group sums, by ``index_add_``."""
     batch_size, length = inputs.rewards.shape
-    device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
+    device, group = inputs.rewards.device, inputs.group
     blocks = _row_blocks(batch_size, length, device)
-    returns = _rows_output(blocks, (batch_size, length), dtype, device)  # G_t [B, T]
+    returns = _rows_output(blocks, (batch_size, length), _GROUP_DTYPE, device)  # G_t [B, T] fp64
     lengths = _rows_output(blocks, (batch_size,), torch.long, device)  # generated tokens per row
-    own_W = _rows_output(blocks, (batch_size, length), dtype, device) if spec.leave_one_out else None  # W_t [B, T]
+    own_W = _rows_output(blocks, (batch_size, length), _GROUP_DTYPE, device) if spec.leave_one_out else None
     sums = [torch.zeros((inputs.num_groups, length), dtype=_GROUP_DTYPE, device=device) for _ in range(4)]
     for rows in blocks:
         block = _read_block(spec, inputs, rows)
         mask = block.mask
         lengths = _put(lengths, rows, mask.sum(dim=-1).long())
-        G = returns_to_go(block.rewards, mask)  # [b, T]
+        mask = mask.to(_GROUP_DTYPE)
+        G = returns_to_go(block.rewards.to(_GROUP_DTYPE), mask)  # [b, T] fp64
         returns = _put(returns, rows, G)
         if spec.energy == "uniform":
             W = mask  # W_t = 1 while alive
         elif spec.energy == "exact":
-            W = block.W  # ||S_t||², checked and zero off the mask
+            W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
         else:
-            W = block.w.cumsum(dim=-1).mul_(mask)  # realized energy W_t = Σ_{j≤t} w_j, zero where not alive
+            W = block.w.to(_GROUP_DTYPE).cumsum(dim=-1).mul_(mask)  # W_t = Σ_{j≤t} w_j in fp64, zero where not alive
         if spec.leave_one_out:
             own_W = _put(own_W, rows, W)
         if multi_turn:  # compare k-th generated tokens, not absolute positions
             slot = generated_token_rank(mask)
             W, G, mask = to_slots(W, slot), to_slots(G, slot), to_slots(mask, slot)
-        # In fp64 before multiplying: pass 2 subtracts exactly these products for leave-one-out.
-        W, G, mask = W.to(_GROUP_DTYPE), G.to(_GROUP_DTYPE), mask.to(_GROUP_DTYPE)
+        # fp64 products: pass 2 subtracts exactly these for leave-one-out.
         for total, term in zip(sums, (mask, W * G, W, mask * G)):
             total.index_add_(0, group[rows], term)
     return _GroupSums(returns, lengths, own_W, *sums)
@@ -479,10 +480,10 @@ def _token_advantages(
     advantages = _rows_output(blocks, (batch_size, length), dtype, device)
     for rows in blocks:  # pass 2
         mask = inputs.mask[rows].to(_GROUP_DTYPE)
-        G = returns[rows].to(_GROUP_DTYPE)
+        G = returns[rows]
         slot = generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
         if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
-            own_W = sums.own_W[rows].to(_GROUP_DTYPE)
+            own_W = sums.own_W[rows]
             at = [_at_slots(s[group[rows]], slot) for s in group_sums]
             others = (at[0] - mask, at[1] - own_W * G, at[2] - own_W, at[3] - mask * G)
             baseline = _baseline_from_sums(*others, baseline_epsilon) * group_has_baseline[group[rows], None]
@@ -495,7 +496,7 @@ def _token_advantages(
         if scale is not None:
             advantage.mul_(scale[rows, None])
         advantages = _put(advantages, rows, advantage.to(dtype))
-    return advantages, returns
+    return advantages, returns.to(dtype)
 
 
 # ---------------------------------------------------------------------------

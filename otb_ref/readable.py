@@ -29,8 +29,9 @@ prompt.
   (:func:`group_std`): ``R`` for sequence cells, ``G_t`` pooled within positions for token cells (THEORY §3).
   A group whose centred values do not differ (zero spread) is left unscaled.
 * ``ε`` (the baseline's) applies to energy-weighted baselines (``proxy``, ``exact``) only; counts divide exactly.
-* Precision: energies and returns in the compute dtype (fp64 if any floating value input is fp64, else fp32);
-  group sums, baselines, σ and ``G − B`` in fp64; advantages rounded to the compute dtype once.
+* Precision: per-token energies ``w`` in the compute dtype (fp64 if any floating value input is fp64, else fp32);
+  from there on fp64 (``W``, ``v``, ``G`` summed from the end, ``R = G_0``, group sums, baselines, σ, ``G − B``);
+  advantages and returns rounded to the compute dtype once.
 * Energies: ``w_t`` is clamped into [0, 2] (:func:`otb_ref.proxy.token_energy`).
 * Empty responses (``m ≡ 0``) count as members of their group (with ``R = 0``), except with multi-turn.
 * Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
@@ -88,8 +89,9 @@ def otb_advantages(rewards, mask, index, old_log_probs, sum_pi_squared, leave_on
       the members' ``G_t``: ``|G_t − B_t|`` never exceeds their spread, whatever the energies; where every energy
       is 0, ``B_t = Ḡ_t``; where the denominator is 0 (ε = 0, no energy), ``B_t = Ḡ_t`` too.
     * no baseline (``B_t = 0``): a group of one response; a leave-one-out row with no other member alive at t.
-    * precision: ``w``, ``W`` and ``G`` in the compute dtype (fp64 if any value input is fp64, else fp32); the
-      group sums, ``Ḡ``, ``B`` and ``G − B`` in fp64; the advantage rounded to the compute dtype once, at the end.
+    * precision: ``w`` in the compute dtype (fp64 if any value input is fp64, else fp32); from there on fp64 (``W``,
+      ``G`` summed from the end, the group sums, ``Ḡ``, ``B``, ``G − B``); the advantage rounded to the compute
+      dtype once, at the end.
 
     rewards, mask, old_log_probs, sum_pi_squared: [B, T]; index: [B] prompt ids. Equal to ``compute_advantages("otb",
     ...)`` (tests/test_otb_ref/test_readable.py); :func:`advantages` adds the other estimators and options.
@@ -99,12 +101,12 @@ def otb_advantages(rewards, mask, index, old_log_probs, sum_pi_squared, leave_on
     m = (mask != 0).to(dt)  # values off the mask are ignored, whatever they are
     r = torch.where(m > 0, rewards.to(dt), 0.0)
     w = torch.where(m > 0, (1 - 2 * old_log_probs.to(dt).exp() + sum_pi_squared.to(dt)).clamp(0.0, 2.0), 0.0)  # w_t
-    W = w.cumsum(dim=-1)  # W_t, carried through holes
-    G = r.flip(-1).cumsum(dim=-1).flip(-1)  # G_t
+    W = w.double().cumsum(dim=-1)  # W_t, carried through holes; from here on fp64
+    G = r.double().flip(-1).cumsum(dim=-1).flip(-1)  # G_t, summed from the end
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     same = torch.tensor([[a == b for b in ids] for a in ids], dtype=torch.float64, device=m.device)  # [B, B]
     members = same - torch.eye(len(ids), dtype=torch.float64, device=m.device) if leave_one_out else same
-    alive, a, x = m.double(), (m * W).double(), G.double()  # from here on fp64
+    alive, a, x = m.double(), m.double() * W, G
     n, num, den = members @ alive, members @ (a * x), members @ a + epsilon  # at each t: n, Σ m W G, Σ m W + ε
     mean = torch.where(n > 0, (members @ (alive * x)) / n.clamp(min=1), 0.0)  # Ḡ_t (0 where no member)
     baseline = torch.where(den > 0, (num + epsilon * mean) / torch.where(den > 0, den, 1.0), mean)  # B_t
@@ -130,15 +132,15 @@ def energies(
 
     Inputs are zero off the mask (see :func:`advantages`). ``W`` is not masked: it carries through holes and past
     the end (``length``, ``proxy``), is 1 everywhere (``uniform``), or is the caller's ``cumulative_energy``
-    (``exact``); callers weight by ``m_t W_t``."""
+    (``exact``); callers weight by ``m_t W_t``. ``w`` is computed in the inputs' dtype, ``v`` and ``W`` in fp64."""
     if spec.energy == "uniform":
-        return mask.new_ones(mask.shape[0]), torch.ones_like(mask)
+        return mask.new_ones(mask.shape[0]).double(), torch.ones_like(mask).double()
     if spec.energy == "exact":
-        return grad_norms_sq, cumulative_energy
+        return tuple(None if x is None else x.double() for x in (grad_norms_sq, cumulative_energy))
     w = torch.ones_like(mask) if spec.energy == "length" else token_energy(old_log_probs, sum_pi_squared)  # [B, T]
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.square()
-    w = w * mask
+    w = (w * mask).double()
     return w.sum(dim=-1), w.cumsum(dim=-1)  # v = Σ_t w_t, W_t = Σ_{j ≤ t} w_j
 
 
@@ -259,9 +261,9 @@ def advantages(
     baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
     lengths = mask.sum(dim=-1).long()  # [B]
     counted = (lengths > 0).to(dt) if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
-    v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)  # in dt
-    G = returns_to_go(rewards, mask)  # [B, T] in dt
-    R = G[:, 0] if mask.shape[1] else rewards.new_zeros(mask.shape[0])
+    v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)  # fp64
+    G = returns_to_go(rewards.double(), mask.double())  # [B, T] fp64, summed from the end
+    R = G[:, 0] if mask.shape[1] else G.new_zeros(mask.shape[0])
     if spec.granularity == "sequence":
         adv = sequence_advantages(R, v, mask, group, counted, spec.leave_one_out, baseline_epsilon)  # fp64
         ret = R[:, None] * mask
@@ -280,7 +282,7 @@ def advantages(
         ret = G
     if spec.std_normalize:
         adv = std_scaled(adv, centred.double(), alive.double(), group, counted.double(), epsilon)
-    return adv.to(dt), ret  # fp64 until here; rounded to the compute dtype once
+    return adv.to(dt), ret.to(dt)  # fp64 until here; rounded to the compute dtype once
 
 
 def group_std(values, alive, group, num_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ tag each case with the rules it exercises (a port that breaks one rule fails exa
 
 * ``clamp``: ``w_t = 1 − 2π + Σπ²`` is not clamped into [0, 2];
 * ``epsilon``: verl's ``Σ a G / (Σ a + ε)`` (0 where the denominator is 0) instead of ``(Σ a G + ε Ḡ) / (Σ a + ε)``;
-* ``precision``: group statistics in the input's dtype instead of fp64;
+* ``precision``: ``W``, ``G`` and the group statistics in the inputs' dtype instead of fp64;
 * ``group_of_one``: a group of one response gets its own (include-self) baseline instead of none;
 * ``zero_spread``: std scaling also divides groups whose centred values are all equal;
 * ``off_mask``: values where the mask is 0 are used as given instead of ignored.
@@ -59,21 +59,21 @@ def _baseline(weights, values, own, epsilon, dtype, broken, direct):
     return (num + dtype(epsilon) * mean) / den if den > 0 else mean
 
 
-def _energies(energy, m, dt, lp, s, rho, grad_norms_sq, cumulative_energy, broken):
-    """``(v [B], W [B, T])`` in the compute dtype ``dt``: sequence weights and realized energies."""
+def _energies(energy, m, dt, gdt, lp, s, rho, grad_norms_sq, cumulative_energy, broken):
+    """``(v [B], W [B, T])`` in ``gdt`` (fp64), from per-token energies ``w`` computed in the compute dtype ``dt``."""
     batch, length = m.shape
     if energy == "uniform":
-        return np.ones(batch, dt), m.astype(dt)
+        return np.ones(batch, gdt), m.astype(gdt)
     if energy == "exact":
-        v = None if grad_norms_sq is None else np.asarray(grad_norms_sq, dt)
-        return v, (None if cumulative_energy is None else cumulative_energy)
+        v = None if grad_norms_sq is None else np.asarray(np.asarray(grad_norms_sq, dt), gdt)
+        return v, (None if cumulative_energy is None else cumulative_energy.astype(gdt))
     w = m.astype(dt) if energy == "length" else (dt(1.0) - dt(2.0) * np.exp(lp) + s)
     if energy == "proxy" and "clamp" not in broken:
         w = np.clip(w, 0.0, 2.0).astype(dt)
     if rho is not None:
         w = w * rho * rho
-    w = np.where(m, w, dt(0.0)).astype(dt)
-    return w.sum(axis=1, dtype=dt), np.cumsum(w, axis=1, dtype=dt)
+    w = np.where(m, w, dt(0.0)).astype(dt).astype(gdt)
+    return w.sum(axis=1), np.cumsum(w, axis=1)
 
 
 def _pooled_std(columns, dtype):
@@ -128,9 +128,9 @@ def compute_advantages(  # noqa: C901 (one loop per rule, on purpose)
         None if x is None else keep(x).astype(dt)
         for x in (old_log_probs, sum_pi_squared, rollout_is_weights, cumulative_energy)
     )
-    v, W = _energies(energy, m, dt, lp, s, rho, grad_norms_sq, ce, broken)
-    G = np.cumsum(r[:, ::-1], axis=1, dtype=dt)[:, ::-1]
-    R = G[:, 0] if length else np.zeros(batch, dt)
+    v, W = _energies(energy, m, dt, gdt, lp, s, rho, grad_norms_sq, ce, broken)
+    G = np.cumsum(r.astype(gdt)[:, ::-1], axis=1)[:, ::-1]  # summed from the end
+    R = G[:, 0] if length else np.zeros(batch, gdt)
     lengths = m.sum(axis=1)
     counted = lengths > 0 if multi_turn else np.ones(batch, bool)
     positions = [np.flatnonzero(m[i]) for i in range(batch)]
