@@ -1,20 +1,18 @@
 """Advantage estimators, fast: one family, two axes plus flags (THEORY.md §3, F7).
 
 The readable statement of the same numbers is :mod:`otb_ref.readable` (tested equal); the table of estimators is
-:mod:`otb_ref.estimators`.
+:mod:`otb_ref.estimators`; the whole contract for ports is docs/PORTING.md ("The porting contract").
 
-Every estimator subtracts a weighted group mean of the return:
+Every estimator subtracts a weighted group mean of the return, a convex combination of its members' values:
 
-    granularity "sequence":  b_i   = Σ_j v_j R_j     / (Σ_j v_j     + ε)
-    granularity "token":     B_t^i = Σ_j W_t^j G_t^j / (Σ_j W_t^j   + ε)      (F7)
+    granularity "sequence":  b_i   = (Σ_j v_j R_j     + ε R̄)   / (Σ_j v_j   + ε)
+    granularity "token":     B_t^i = (Σ_j W_t^j G_t^j + ε Ḡ_t) / (Σ_j W_t^j + ε)      (F7, THEORY §3)
 
-(``ε`` only for the energy-weighted rows of the table, proxy and exact; counts
-divide exactly, so e.g. GRPO's baseline is the exact group mean)
-
-where ``j`` runs over the responses of the same prompt (all of them, or all
-but ``i`` with ``leave_one_out``), ``G_t = Σ_{k≥t} m_k r_k`` is the return to go
-(rewards off the mask are ignored), ``R = G_0`` the total return (positions
-from 0), and at position ``t`` only responses alive there (``m_t = 1``) count.
+(``R̄``, ``Ḡ_t``: the members' plain mean, also the baseline where the denominator is 0; ``ε`` only for the
+energy-weighted rows of the table, proxy and exact: counts divide exactly, so e.g. GRPO's baseline is the exact
+group mean) where ``j`` runs over the responses of the same prompt (all of them, or all but ``i`` with
+``leave_one_out``), ``G_t = Σ_{k≥t} m_k r_k`` is the return to go (rewards off the mask are ignored), ``R = G_0``
+the total return (positions from 0), and at position ``t`` only responses alive there (``m_t = 1``) count.
 The energy axis says what the weights are:
 
     =========  ==========================  ==================================
@@ -26,11 +24,11 @@ The energy axis says what the weights are:
     exact      ||S||² (``grad_norms_sq``)   ||S_t||² (``cumulative_energy``)
     =========  ==========================  ==================================
 
-with ``w_t = 1 − 2π_t(y_t) + Σ_v π_{t,v}²`` the logit-gradient proxy (F6),
-multiplied by ``ρ̄_t²`` when rollout importance weights are given (§4).
-Advantages are ``(R − b) m_t`` or ``(G_t − B_t) m_t``, optionally divided by
-the group's reward standard deviation (GRPO). A group of one response gets no
-baseline: its advantage is its return.
+with ``w_t = clamp(1 − 2π_t(y_t) + Σ_v π_{t,v}², 0, 2)`` the logit-gradient proxy (F6), multiplied by ``ρ̄_t²``
+when rollout importance weights are given (§4). Advantages are ``(R − b) m_t`` or ``(G_t − B_t) m_t``, optionally
+divided by the group's std of what the baseline centres (GRPO; ``R``, or ``G_t`` pooled within positions). A group
+of one response gets no baseline: its advantage is its return. Precision: ``w_t`` in the compute dtype, everything
+after it in fp64, the outputs rounded once.
 """
 
 from __future__ import annotations
@@ -631,9 +629,11 @@ def compute_advantages(
         leave_one_out: build each response's baseline from the other
             responses only (unbiased, F7). Default: the estimator's
             (``True`` for ``"rloo"`` only).
-        std_normalize: divide advantages by the group's (unbiased) reward
-            standard deviation ``+ ε``. Default: the estimator's (``True`` for
-            ``"grpo"`` only). Biases the estimator (F7).
+        std_normalize: divide advantages by ``σ_g + ε``, σ_g the group's
+            unbiased std of what the baseline centres: ``R`` (sequence
+            estimators) or ``G_t`` pooled within positions (token estimators;
+            THEORY §3). Default: the estimator's (``True`` for ``"grpo"``
+            only). Biases the estimator (F7).
         multi_turn: token-level only. Align responses by their k-th generated
             token instead of absolute position; rows with empty masks take no
             part in their group (as in the authors' multi-turn variant).
@@ -642,17 +642,20 @@ def compute_advantages(
             (absolute positions, or generated-token positions with
             ``multi_turn``). Without it an include-self baseline there equals
             the response's own return.
-        epsilon: ``ε ≥ 0`` added to the denominator of energy-weighted
-            baselines (``proxy``, ``exact``) and to the standard deviation of
-            ``std_normalize``. ``uniform`` and ``length`` weights are counts
-            (or sums of ``ρ̄²``) and divide exactly. Where a denominator is 0
-            (nothing to average) the baseline is 0.
+        epsilon: ``ε ≥ 0`` of energy-weighted baselines (``proxy``,
+            ``exact``): ``B = (Σ a G + ε Ḡ) / (Σ a + ε)``, shared among the
+            members so that B stays a convex combination of their values
+            (``Ḡ`` where the denominator is 0); also added to the standard
+            deviation of ``std_normalize``. ``uniform`` and ``length`` weights
+            are counts (or sums of ``ρ̄²``) and divide exactly.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]``, fp32, or fp64 if any value
         input (rewards, log-probs, Σπ², energies, IS weights) is fp64; the
-        mask's dtype does not matter. Leave-one-out group sums are formed in
-        fp64 whatever the dtype (a row's own term is subtracted from them).
+        mask's dtype does not matter. Precision rule: per-token energies in
+        that dtype; returns, realized energies, group sums, baselines, σ and
+        ``G − B`` in fp64; the outputs rounded once (leave-one-out sums are
+        "group total minus own term" in fp64).
         ``returns`` is what the baseline is subtracted from: ``G_t``
         (token level; the reverse cumulative sum of masked rewards, so a hole
         holds the reward still to come) or ``R m_t`` (sequence level).
@@ -697,10 +700,12 @@ def compute_optimal_token_baseline_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OTB advantages with the argument names, order, defaults and outputs of verl.
 
-    ``B_t = Σ_j W_t^j G_t^j / (Σ_j W_t^j + ε)`` over each prompt's group
-    (self included), ``W_t = Σ_{j≤t} m_j ρ̄_j² (1 − 2π_j + Σπ_j²)`` (F5, F6,
-    §4). Shapes ``[B, T]``; see :func:`compute_advantages` (``"otb"``).
-    Returns ``(advantages, returns)``.
+    ``B_t = (Σ_j W_t^j G_t^j + ε Ḡ_t) / (Σ_j W_t^j + ε)`` over each prompt's
+    group (self included), ``W_t = Σ_{j≤t} m_j ρ̄_j² w_j``, ``w_j`` clamped into
+    [0, 2] (F5, F6, §3, §4). verl's numerator has no ``ε Ḡ_t``: the numbers
+    differ by ``ε |Ḡ_t| / (Σ_j W_t^j + ε)`` (docs/PORTING.md). Shapes
+    ``[B, T]``; see :func:`compute_advantages` (``"otb"``). Returns
+    ``(advantages, returns)``.
     """
     return compute_advantages(
         "otb",
