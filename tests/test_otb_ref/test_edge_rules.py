@@ -115,7 +115,7 @@ def _estimates(name, batch, flags, inputs):
     st.sampled_from([0.0, 1e-8, 1e-2]),
     st.sampled_from(["ordinary", "confident", "zero_is"]),
 )
-def test_without_std_every_advantage_is_within_its_members_spread(
+def test_f7_without_std_every_advantage_is_within_its_members_spread(
     batch, name, leave_one_out, multi_turn, zero_tail, with_is, epsilon, energies
 ):
     """|G − B| ≤ max − min of the members' values at the coordinate (THEORY §3), for every estimator and flag,
@@ -174,7 +174,7 @@ def _equal_outcome_batch(dtype, confident: bool, lengths=(5, 5, 5, 5, 3, 5, 4, 5
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("confident", [True, False])
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
-def test_equal_outcome_groups_get_no_advantage(dtype, confident, name):
+def test_f7_equal_outcome_groups_get_no_advantage(dtype, confident, name):
     """Groups of four responses, all with R = 1 (varying lengths): |A| ≤ 1e-3 under every flag, outside the exempt
     positions (before the rule: A = 1 under sequence_proxy and otb with confident fp32 tokens, |A| up to 1e7 with
     std scaling)."""
@@ -221,7 +221,7 @@ def _tied_dense(dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
-def test_std_scaling_of_tied_totals_stays_within_the_f7_bound(dtype, name):
+def test_f7_std_scaling_of_tied_totals_stays_within_the_bound(dtype, name):
     """Totals that tie only up to rounding (e.g. 1.0 vs 0.99999988 in fp32): |A| ≤ √(2 D_g) after std scaling for
     every estimator (before the rule: |A| = 1.3e7 under sequence_proxy), so also ≤ 100 for rewards in [0, 1].
     D_g = Σ_p (n_p − 1)₊: N − 1 = 3 for sequence cells, 6 positions × 3 for token cells.
