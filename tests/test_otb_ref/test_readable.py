@@ -43,6 +43,43 @@ def test_readable_equals_fast_path(batch, name, leave_one_out, std_normalize, mu
         torch.testing.assert_close(got, want, **TOL)
 
 
+@given(
+    rollout_batches(),
+    st.sampled_from(sorted(ESTIMATORS)),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([0.0, 1e-8]),
+)
+def test_readable_equals_fast_path_in_fp32(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, epsilon):
+    """fp32 inputs: both compute w_t in fp32 by the same expression and everything after it in fp64 (the precision
+    rule). What differs: torch's fp32 ``exp`` is vectorised by chunks, so a block and the whole tensor can round
+    π(y) one ulp apart (2^-23 relative), and fp64 summation order. Bound (otb_ref/readable.py states it): 4 fp32 ulps
+    of the returns' scale, times std scaling's amplification max|A| / max|G − B|, plus 2 ulps of the value."""
+    token = ESTIMATORS[name].granularity == "token"
+    flags = dict(
+        leave_one_out=leave_one_out,
+        std_normalize=std_normalize,
+        epsilon=epsilon,
+        multi_turn=multi_turn and token,
+        handle_zero_tail=zero_tail and token,
+    )
+    as32 = lambda x: x.float() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    inputs = {key: as32(value) for key, value in batch.inputs.items()}
+    fast = compute_advantages(name, as32(batch.rewards), batch.mask, batch.index, **inputs, **flags)
+    plain = readable.advantages(name, as32(batch.rewards), batch.mask, batch.index, **inputs, **flags)
+    unscaled = compute_advantages(
+        name, as32(batch.rewards), batch.mask, batch.index, **inputs, **dict(flags, std_normalize=False)
+    )[0]
+    largest = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
+    amplification = max(1.0, largest(fast[0]) / largest(unscaled)) if largest(unscaled) > 0 else 1.0
+    atol = 4 * 2.0**-23 * (1.0 + largest(fast[1])) * amplification
+    for got, want in zip(fast, plain):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2 * 2.0**-23, atol=atol)
+
+
 @given(rollout_batches(), st.booleans(), st.sampled_from([0.0, 1e-8, 1e-4]))
 def test_otb_advantages_self_contained_equals_compute_advantages(batch, leave_one_out, epsilon):
     """The one-function statement of OTB (the README's first hop) gives compute_advantages("otb")'s numbers, with and
