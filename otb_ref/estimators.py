@@ -12,7 +12,8 @@ Every estimator is a cell of granularity × energy, plus two flags:
     =========  ============================  ===============================
 
 ``leave_one_out`` builds each response's baseline from the others (unbiased, F7); ``std_normalize`` divides by
-the group's reward std (GRPO; biased, F7). Both concern finite groups: at population level (otb_ref.exact) a
+the group's std of what the baseline centres (``R``, or ``G_t`` pooled within positions; GRPO's scaling; biased,
+F7, THEORY §3). Both concern finite groups: at population level (otb_ref.exact) a
 cell's baseline is the same with or without them.
 """
 
