@@ -24,6 +24,7 @@ import torch
 
 from harness import machine, sync, timed
 from otb_ref import row_grad_norms_sq
+from otb_train.model import enable_hf_activation_checkpointing
 
 CPU_CASES = [
     dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
@@ -52,7 +53,7 @@ def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: b
     with torch.device(device):  # initialise on the device: seconds saved per 0.5B model
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_activation_checkpointing(model)
         model.train()  # transformers checkpoints only in training mode (no dropout in this config)
     return model
 

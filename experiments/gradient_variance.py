@@ -544,6 +544,7 @@ def parse_args(argv):
     parser.add_argument("--replicates", type=int, default=None, help="R, independent batches per snapshot")
     parser.add_argument("--prompts", type=int, default=None, help="P, prompts per batch")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    snapshots.add_snapshots_dir(parser)
     return parser.parse_args(argv)
 
 
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads, started = torch.get_num_threads(), time.perf_counter()
     torch.set_num_threads(1)
     try:
-        paths = snapshots.snapshots(plan.setting)
+        paths = snapshots.snapshots(plan.setting, args.snapshots_dir)
         setting = snapshots.SETTINGS[plan.setting]
         max_new_tokens = setting.copy_lengths[1] + 8  # snapshots.Setting.task_flags
         results = {}

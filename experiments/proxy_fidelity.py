@@ -350,12 +350,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny snapshots and a handful of responses")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the report and PNGs go")
+    snapshots.add_snapshots_dir(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     started = time.perf_counter()
     plan = PLANS["quick" if args.quick else "full"]
-    paths, setting = snapshots.snapshots(plan.setting), snapshots.SETTINGS[plan.setting]
+    paths, setting = snapshots.snapshots(plan.setting, args.snapshots_dir), snapshots.SETTINGS[plan.setting]
     records = {}
     for name in SNAPSHOTS:
         records[name] = measure(paths[name], setting, plan)

@@ -87,7 +87,7 @@ def run_arm(name: str, seed: int, steps: int, warm: Path, runs: Path, flags: lis
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, str(ROOT / "train.py"), "--model", str(warm), *flags, "--steps", str(steps),
                "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = runs / f"{name}_seed{seed}.log"  # a file, not a pipe: the run survives its driver
     runs.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as stream:

@@ -3,17 +3,17 @@ start, and after RL from it (mid and late), each a local Hugging Face checkpoint
 
     python experiments/snapshots.py            # runs/snapshots/<setting>/{init,warm,mid,late}
     python experiments/snapshots.py --quick    # a tiny setting, seconds
+    python experiments/snapshots.py --quick --snapshots-dir /tmp/s   # under /tmp/s instead (the tests)
 
-``snapshots(setting)`` returns ``{"init": dir, "warm": dir, "mid": dir, "late": dir}`` and builds what is missing
-(cached under ``runs/snapshots``; delete it to rebuild). RL is ``train.py --estimator otb`` from the warm start;
-"mid" and "late" are its checkpoints after ``rl_steps // 2`` and ``rl_steps`` steps, converted with DCP's
-``dcp_to_torch_save`` and written next to the warm start's config and tokenizer.
+``snapshots(setting, cache)`` returns ``{"init": dir, "warm": dir, "mid": dir, "late": dir}`` and builds what is
+missing (cached under ``cache``, by default ``runs/snapshots``; delete it to rebuild). RL is ``train.py --estimator
+otb`` from the warm start; "mid" and "late" are its checkpoints after ``rl_steps // 2`` and ``rl_steps`` steps,
+converted with DCP's ``dcp_to_torch_save`` and written next to the warm start's config and tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -82,9 +82,17 @@ def _export(checkpoint: Path, template: Path, out: Path) -> None:
             shutil.copy(file, out / file.name)
 
 
-def snapshots(name: str = "copy16") -> dict[str, Path]:
-    """``{"init", "warm", "mid", "late"}`` -> checkpoint directories of setting ``name`` (built if missing)."""
-    setting, root = SETTINGS[name], SNAPSHOT_ROOT / name
+def add_snapshots_dir(parser: argparse.ArgumentParser) -> None:
+    """The ``--snapshots-dir`` option of the experiments that read snapshots."""
+    parser.add_argument(
+        "--snapshots-dir", type=Path, default=SNAPSHOT_ROOT, help="where snapshots are cached (default runs/snapshots)"
+    )
+
+
+def snapshots(name: str = "copy16", cache: Path = SNAPSHOT_ROOT) -> dict[str, Path]:
+    """``{"init", "warm", "mid", "late"}`` -> checkpoint directories of setting ``name`` under ``cache / name``
+    (built if missing)."""
+    setting, root = SETTINGS[name], Path(cache) / name
     _init_and_warm(setting, root)
     paths = {k: root / k for k in ("init", "warm", "mid", "late")}
     if all((paths[k] / "config.json").exists() for k in ("mid", "late")):
@@ -119,9 +127,7 @@ def snapshots(name: str = "copy16") -> dict[str, Path]:
         "--output-dir",
         str(run),
     ]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
-    )
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"RL for the snapshots failed:\n{done.stderr[-3000:]}")
     for key, step in (("mid", mid), ("late", setting.rl_steps)):
@@ -134,6 +140,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setting", default="copy16", choices=sorted(SETTINGS))
     parser.add_argument("--quick", action="store_true", help="the tiny setting")
+    add_snapshots_dir(parser)
     args = parser.parse_args()
-    for key, path in snapshots("quick" if args.quick else args.setting).items():
+    for key, path in snapshots("quick" if args.quick else args.setting, args.snapshots_dir).items():
         print(key, path)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from otb_ref import logprobs_and_sum_pi_squared
+from otb_ref.grad_norms import accepts_keyword
 from otb_train import distributed
 from otb_train.config import Config, UserError
 from otb_train.tasks import CharTokenizer
@@ -30,17 +31,18 @@ class Policy(nn.Module):
     def __init__(self, lm: nn.Module, temperature: float, chunk_size: int | None):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
+        self.cache_name = cache_keyword(lm.get_decoder())
 
     def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, full_logits=False):
         out = self.lm.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=targets is None,
+            **{self.cache_name: cache},
         )
         if targets is None:
-            return self.next_token_logits(out.last_hidden_state), out.past_key_values
+            return self.next_token_logits(out.last_hidden_state), getattr(out, self.cache_name)
         hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
         if full_logits:
             return self.log_probs_through_lm_head(hidden, targets), None
@@ -63,6 +65,23 @@ class Policy(nn.Module):
         ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
         z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
         return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
+
+
+def cache_keyword(decoder: nn.Module) -> str:
+    """The name under which a Hugging Face decoder takes its KV cache and returns it in its output: ``cache`` from
+    transformers 5.24 on (which deprecates ``past_key_values``), ``past_key_values`` before."""
+    return "cache" if accepts_keyword(decoder, "cache") else "past_key_values"
+
+
+def enable_hf_activation_checkpointing(lm: nn.Module) -> None:
+    """transformers' own non-reentrant activation checkpointing of ``lm``'s layers (the trainer uses torch's,
+    ``distributed.shard``): ``activation_checkpointing_enable`` from transformers 5.23 on (which deprecates
+    ``gradient_checkpointing_enable``), ``gradient_checkpointing_enable`` before."""
+    options = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")

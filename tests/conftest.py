@@ -1,13 +1,15 @@
-"""Test configuration: hypothesis profiles and import path.
+"""Test configuration: hypothesis profiles, import path, deprecations as errors, fact markers, and a clean checkout.
 
 Profiles: ``ci`` (default under CI=true: few examples, derandomised so CI is
 reproducible), ``dev`` (default locally), ``thorough`` (HYPOTHESIS_PROFILE=thorough),
 ``mutations`` (tools/mutations.py: ci's examples without shrinking).
 """
 
+import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +34,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 
 import pytest  # noqa: E402
+
+
+class _LoggedDeprecation(logging.Handler):
+    """transformers logs some deprecations instead of warning them (5.24: "`past_key_values`/`cache_params` are
+    deprecated"): each becomes a DeprecationWarning where it is logged, which pyproject's filterwarnings makes an
+    error."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "deprecat" in record.getMessage().lower():
+            warnings.warn(f"{record.name} logged: {record.getMessage()}", DeprecationWarning, stacklevel=2)
+
+
+logging.getLogger("transformers").addHandler(_LoggedDeprecation())
 
 import otb_ref.advantages  # noqa: E402
 
@@ -100,3 +115,35 @@ def pytest_collection_modifyitems(config, items):
         facts |= cited.get(item.nodeid.split("[")[0], set())
         for fact in sorted(facts):
             item.add_marker(getattr(pytest.mark, fact))
+
+
+# A clean checkout: the tests write under pytest's tmp paths only. A session that leaves a new file in the checkout
+# (runs/ included) fails and names it; pytest's, hypothesis's and Python's own caches do not count, nor do git's
+# files and virtual environments.
+_CACHES = {".git", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
+_CHECKOUT_BEFORE = pytest.StashKey[set]()
+
+
+def _checkout_files(root: Path) -> set[str]:
+    """Every file and folder under ``root`` (relative paths), less caches and virtual environments."""
+    found = set()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [
+            d
+            for d in dirs
+            if d not in _CACHES and not d.endswith(".egg-info") and not (Path(folder, d) / "pyvenv.cfg").exists()
+        ]
+        found.update(os.path.relpath(os.path.join(folder, name), root) for name in dirs + files)
+    return found
+
+
+def pytest_sessionstart(session):
+    session.stash[_CHECKOUT_BEFORE] = _checkout_files(session.config.rootpath)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    new = sorted(_checkout_files(session.config.rootpath) - session.stash.get(_CHECKOUT_BEFORE, set()))
+    if new:
+        shown = ", ".join(new[:10]) + (f" and {len(new) - 10} more" if len(new) > 10 else "")
+        sys.stderr.write(f"\nFAILED: the tests left new files in the checkout (write under tmp_path): {shown}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -70,16 +70,24 @@ def deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))}
 
 
+# train.py's processes turn FutureWarnings (transformers' and torch's deprecations) into errors: `-W` for the
+# interpreter started here, and PYTHONWARNINGS for the ranks that torchrun starts (they do not inherit `-W`).
+STRICT_WARNINGS = "error::FutureWarning"
+
+
+def strict_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": STRICT_WARNINGS}
+
+
 def run_subprocess(
     args: list[str], torchrun: bool = False, hooks: list[str] | None = None, **kwargs
 ) -> subprocess.CompletedProcess:
     """train.py in a new process (torchrun with 2 ranks, or python); ``hooks``: through tests/train_hooks.py."""
     launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        [sys.executable, "-W", STRICT_WARNINGS, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         if torchrun
-        else [sys.executable]
+        else [sys.executable, "-W", STRICT_WARNINGS]
     )
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
         [
             *launcher,
@@ -87,7 +95,7 @@ def run_subprocess(
             *args,
         ],
         cwd=ROOT,
-        env=env,
+        env=strict_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -115,12 +123,14 @@ def dumped_rows(dump: Path, step: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def test_python_train_py_runs_and_writes_metrics_and_a_checkpoint(tmp_path):
-    """`python train.py` (no torchrun) for 2 steps: progress bar, metrics.jsonl, complete checkpoints, pruning."""
+    """`python train.py` (no torchrun) for 2 steps: progress bar, no deprecation message, metrics.jsonl, complete
+    checkpoints, pruning."""
     out = run_subprocess(
         [*TINY, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "1", "--output-dir", str(tmp_path / "run")]
     )
     assert out.returncode == 0, out.stderr
     assert "train: 100%" in out.stderr  # the progress bar
+    assert "deprecat" not in out.stderr.lower() + out.stdout.lower()  # nor in transformers' log
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -158,6 +168,7 @@ def test_torchrun_two_ranks_equals_one_rank(tmp_path):
         hooks=["--dump", str(tmp_path / "dump2")],
     )
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "deprecat" not in two.stderr.lower() + two.stdout.lower()  # nor in transformers' log
     run_train(
         [
             *common,
@@ -223,18 +234,19 @@ def _bad_input_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
 def test_bad_inputs_exit_nonzero_with_one_line_and_no_traceback(tmp_path):
     """Each mistake: exit status 2, one line naming the flag or file, no traceback, and no output directory."""
     cases = _bad_input_cases(tmp_path)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = {name: tmp_path / f"out_{i}" for i, name in enumerate(cases)}
     running = {
         name: subprocess.Popen(
             [
                 sys.executable,
+                "-W",
+                STRICT_WARNINGS,
                 str(ROOT / "train.py"),
                 *args,
                 *([] if name == "resume without dir" else ["--output-dir", str(out[name])]),
             ],
             cwd=ROOT,
-            env=env,
+            env=strict_env(),
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

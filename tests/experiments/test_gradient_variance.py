@@ -135,8 +135,8 @@ def test_crossing():
     assert out[0] == pytest.approx(2**2.5) and out[1] == 2 and math.isinf(out[2])
 
 
-def test_quick_run_writes_the_report(tmp_path):
-    results = gv.main(["--quick", "--out-dir", str(tmp_path)])
+def test_quick_run_writes_the_report(tmp_path, snapshots_dir):
+    results = gv.main(["--quick", "--out-dir", str(tmp_path), "--snapshots-dir", str(snapshots_dir)])
 
     report = (tmp_path / "gradient_variance.md").read_text()
     for kind in ("n", "tokens"):

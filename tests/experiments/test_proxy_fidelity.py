@@ -14,8 +14,8 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import proxy_fidelity
 
 
-def test_quick_run_writes_the_report_and_respects_f6(tmp_path):
-    records = proxy_fidelity.main(["--quick", "--out-dir", str(tmp_path)])
+def test_quick_run_writes_the_report_and_respects_f6(tmp_path, snapshots_dir):
+    records = proxy_fidelity.main(["--quick", "--out-dir", str(tmp_path), "--snapshots-dir", str(snapshots_dir)])
 
     report = (tmp_path / "proxy_fidelity.md").read_text()
     for figure in ("tokens", "sequences", "normalized"):

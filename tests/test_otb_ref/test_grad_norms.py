@@ -19,6 +19,7 @@ from torch import nn
 from otb_ref import grad_norms
 from otb_ref.exact import sequence_grad_norms_sq_fp64 as exact_norms
 from otb_ref.grad_norms import embedding_norms_sq, linear_weight_norms_sq, row_grad_norms_sq, sequence_grad_norms_sq
+from otb_train.model import enable_hf_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
@@ -157,7 +158,7 @@ def test_non_reentrant_activation_checkpointing_gives_the_same_norms():
     model = tiny_lm("llama", tied=True, seed=5)
     ids, response, attention = padded_batch(seed=5)
     expected = sequence_grad_norms_sq(model, ids, response, attention)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_hf_activation_checkpointing(model)
     model.train()  # transformers checkpoints only in training mode; the function evaluates in eval mode
     for layer in model.model.layers:
         layer.gradient_checkpointing = True

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_causal_lm
 
+from otb_train.model import Policy
 from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
 
@@ -31,19 +32,8 @@ def tiny_lm(kind: str):
 
 
 def model_forward(lm):
-    """The model's own ForwardFn (as otb_train.model.Policy computes it, without FSDP)."""
-
-    def forward(input_ids, attention_mask, position_ids, cache):
-        out = lm.get_decoder()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return (out.last_hidden_state[:, -1] @ lm.get_output_embeddings().weight.T).float(), out.past_key_values
-
-    return forward
+    """The model's own ForwardFn: otb_train.model.Policy's generation call, without FSDP."""
+    return Policy(lm, temperature=1.0, chunk_size=None)
 
 
 def left_padded_prompts(batch=5, width=7, vocab=40):
