@@ -302,7 +302,7 @@ MUTATIONS = [
         "(1 - 2 * old_log_probs.to(dt).exp() + sum_pi_squared.to(dt)).clamp(0.0, 2.0)",
         "(1 - 2 * old_log_probs.to(dt).exp() + sum_pi_squared.to(dt))",
         "otb_advantages: w_t not clamped into [0, 2]",
-        "f5",
+        "f6",
     ),
     Mutation(
         "Eprec",

@@ -230,7 +230,7 @@ def test_token_energy_absolute_error_near_deterministic_tokens(dtype):
     assert float(reference[-1]) < 1e-30  # the regime where that absolute error is all of w
 
 
-def test_token_energy_rejects_shape_mismatch_and_clamps():
+def test_f6_token_energy_rejects_shape_mismatch_and_clamps():
     with pytest.raises(ValueError, match="sum_pi_squared"):
         token_energy(torch.zeros(2, 3), torch.zeros(3, 2))
     # Inconsistent inputs (Σπ² below π_y²) are clamped into [0, 2].

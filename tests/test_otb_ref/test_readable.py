@@ -1,5 +1,7 @@
 """otb_ref.readable (the readable form) equals compute_advantages (the fast path) for every estimator and flag."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -145,3 +147,21 @@ def test_readable_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(
     empty = {k: v if v.dim() == 1 else v[:, :0] for k, v in clean.items()}
     got = readable.advantages(name, rewards[:, :0], mask[:, :0], [0, 0, 0], **empty)
     assert [tuple(x.shape) for x in got] == [(3, 0), (3, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_f6_otb_advantages_clamps_energies_like_compute_advantages(dtype):
+    """Log-probs and Σπ² that are each valid but not from one distribution (Σπ² < 2π − 1: w = −0.3 before the
+    clamp; π ≈ 0 with Σπ² = 1 + 5e-7: w > 2): the self-contained form clamps w_t into [0, 2] as token_energy does
+    (THEORY F6's rule), so both forms give the same advantages; without the clamp they differ by ~1."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5]], dtype=dtype)
+    mask = torch.ones(3, 3, dtype=dtype)
+    log_probs = torch.tensor([[math.log(0.9)] * 3, [-30.0] * 3, [math.log(0.5)] * 3], dtype=dtype)
+    sum_pi_squared = torch.tensor([[0.5] * 3, [1.0 + 5e-7] * 3, [0.5] * 3], dtype=dtype)
+    fast, _ = compute_advantages(
+        "otb", rewards, mask, [0, 0, 0], old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
+    )
+    plain = readable.otb_advantages(rewards, mask, [0, 0, 0], log_probs, sum_pi_squared)
+    torch.testing.assert_close(plain, fast, rtol=1e-6, atol=1e-6)
+    # t = 0: W = (0, 2, 0.5) after the clamp, G = (1, 0, 0.5): B = 0.25 / 2.5 = 0.1 (ε negligible), A = 0.9.
+    assert float(fast[0, 0]) == pytest.approx(0.9, abs=1e-6)
