@@ -16,16 +16,40 @@ estimators                                  legacy trainer (use_v1=false)       
 rewards only: grpo, rloo, opo,              yes                                  yes
 token_mean, token_length
 proxy: otb, sequence_proxy                  with ``actor.calculate_sum_pi_squared  no: V1 fetches no Σπ²
-                                            =true`` and ``model.use_fused_kernels
-                                            =false``
+                                            =true``; engines and fused kernels:
+                                            the next table
 exact: eob, otb_exact                       no: verl computes no per-response gradient norms
 ==========================================  ===================================  ===========================
 
+Where proxy estimators get Σπ² (legacy trainer, ``actor.calculate_sum_pi_squared=true``); every "refused" is
+refused by ``validate_config`` before any worker starts, with the keys to change:
+
+==================================================  ========================================================
+actor engine (``actor.strategy``) and model         Σπ²
+==================================================  ========================================================
+fsdp / fsdp2, ``model.use_fused_kernels=false``     verl's own, from the full logits
+fsdp / fsdp2, fused kernels with                    otb_ref's route (:mod:`otb_ref.integrations.verl_fused`):
+``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits;
+``liger`` without liger-kernel: the same forward)   remove-padding on and off
+fused kernels, ``impl_backend=triton``              refused: ``impl_backend=torch`` or
+                                                    ``use_fused_kernels=false``
+fused kernels, ``liger`` with liger-kernel          refused: as triton
+fused kernels, vision-language model                refused: ``use_fused_kernels=false`` (known at validation
+                                                    when ``model.path`` is a local directory; otherwise at
+                                                    the first old-log-prob pass)
+megatron, veomni (or fsdp_turbo), fused kernels     refused: ``use_fused_kernels=false``
+megatron, veomni, fsdp_turbo without fused kernels  verl's own
+automodel, torchtitan (any mode)                    refused: ``actor.strategy=fsdp`` (they compute no Σπ²)
+``algorithm.rollout_correction.bypass_mode=true``   refused: ``bypass_mode=false`` (no old-log-prob pass)
+==================================================  ========================================================
+
 Proxy estimators need Σπ² and old log-probs; verl passes them (and rollout IS weights) only to its own two OTB
 names. :func:`install` therefore wraps ``compute_advantage`` in both modules that hold it (``ray_trainer`` and
-``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, and wraps ``validate_config`` so that a
+``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, wraps ``validate_config`` so that a
 configuration that cannot feed the chosen estimator fails before training starts, with one message naming the
-keys to set. The wraps are installed for the verl versions in :data:`TESTED_VERL` only.
+keys to set, and installs the fused-kernel route. ``validate_config`` also refuses, for any estimator, an
+environment with a TRL that verl's FSDP model build cannot import (TRL 1.16: install the extras apart). The wraps
+are installed for the verl versions in :data:`TESTED_VERL` only.
 """
 
 from __future__ import annotations

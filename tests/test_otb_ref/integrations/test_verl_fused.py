@@ -313,3 +313,14 @@ def test_an_environment_whose_trl_verl_cannot_import_is_refused(monkeypatch):
     for estimator in ("otb_ref.otb", "grpo"):
         problems = plugin.config_problems(_config(**{"algorithm.adv_estimator": estimator}))
         assert len(problems) == 1 and "without TRL" in problems[0]
+
+
+def test_a_forward_with_gradients_that_asks_for_sum_pi_squared_is_refused(restore_verl_patches):
+    """Σπ² is computed in the no-grad old-log-prob pass only (the route has no backward of its own)."""
+    model = _model("qwen2", True, True)
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 6))
+    with pytest.raises(NotImplementedError, match="no-grad passes only"):
+        model(input_ids=ids, return_dict=True, temperature=1.0, **{verl_fused.FLAG: True})
+    with torch.no_grad():
+        out = model(input_ids=ids, return_dict=True, temperature=1.0, **{verl_fused.FLAG: True})
+    assert out["sum_pi_squared"].shape == out.log_probs.shape == (1, 6)
