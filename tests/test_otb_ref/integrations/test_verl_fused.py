@@ -12,6 +12,8 @@ between fused runs.
 import importlib
 import importlib.util
 import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -45,6 +47,7 @@ CLASSES = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaFo
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
 TEMPERATURE = 0.7
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 _PLAIN_FORWARD = {family: cls.forward for family, cls in CLASSES.items()}  # before any verl patch
 
 
@@ -324,3 +327,19 @@ def test_a_forward_with_gradients_that_asks_for_sum_pi_squared_is_refused(restor
     with torch.no_grad():
         out = model(input_ids=ids, return_dict=True, temperature=1.0, **{verl_fused.FLAG: True})
     assert out["sum_pi_squared"].shape == out.log_probs.shape == (1, 6)
+
+
+def test_benchmark_measures_each_variant_at_a_tiny_shape(restore_verl_patches):
+    """benchmarks/verl_fused.py's measurement of one variant (the command runs each in a fresh process)."""
+    spec = importlib.util.spec_from_file_location("verl_fused_bench", BENCHMARKS / "verl_fused.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    args = SimpleNamespace(tokens=32, hidden=28, intermediate=32, vocab=300, layers=1, sequences=2, repeats=1)
+    for variant in bench.VARIANTS:
+        CLASSES["qwen2"].forward = _PLAIN_FORWARD["qwen2"]  # verl's patch is per class; the command's are per process
+        record = bench.run_variant(args, variant)
+        assert record["seconds"] > 0 and record["peak_rss_above_start_gib"] >= 0 and record["variant"] == variant
