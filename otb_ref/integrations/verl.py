@@ -218,7 +218,10 @@ def _is_vision_language(path: Any) -> bool:
 
 def _environment_problems(config: Any) -> list[str]:
     """verl 0.9.1's FSDP model build imports trl's AutoModelForCausalLMWithValueHead whenever TRL is installed."""
-    strategy = config.actor_rollout_ref.actor.get("strategy", "fsdp")
+    from omegaconf import OmegaConf
+
+    actor = OmegaConf.select(config, "actor_rollout_ref.actor", default=None) if OmegaConf.is_config(config) else None
+    strategy = actor.get("strategy", "fsdp") if actor is not None else "fsdp"
     if strategy not in FSDP_STRATEGIES or importlib.util.find_spec("trl") is None:
         return []
     for module in ("trl.experimental.ppo", "trl"):
