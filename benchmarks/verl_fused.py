@@ -7,19 +7,17 @@
 The pass is verl 0.9.1's FSDP engine's ``prepare_model_inputs`` → model → ``prepare_model_outputs`` on one
 micro-batch of ``--sequences`` sequences (``--tokens`` in all, remove-padding on, temperature 0.7, fp32, no
 gradient), the model a random-init Qwen2 of Qwen2-0.5B's width and vocabulary patched by verl's own
-``apply_monkey_patch``. Each variant runs in a fresh process: after building the model and one warm-up pass, it
-records its resident set (``start_rss``), resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), runs
-``--repeats`` passes and records the peak resident set above the start (``peak_rss_above_start``) and the
-median seconds. Ratios are against fused alone. Needs ``pip install -e ".[verl]"`` and Linux.
+``apply_monkey_patch`` (the non-fused variant switches the class forward back to Hugging Face's). After one
+warm-up pass each, ``--repeats`` rounds run every variant once, interleaved, so that the load of a shared machine
+falls on all alike. Before each pass the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``); the record
+keeps each pass's peak resident set above its start (``peak_rss_above_start_gib``: the largest over the rounds)
+and the median seconds. Ratios are against fused alone. Needs ``pip install -e ".[verl]"`` and Linux.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,35 +91,50 @@ def _engine(model):
     return engine
 
 
-def run_variant(args, variant: str) -> dict:
-    """The measurement of one variant (in this process)."""
+def run(args) -> dict[str, dict]:
+    """One record per variant: one model, the variants' passes interleaved round by round (so that the load of a
+    shared machine falls on all alike), the peak resident set of each pass above its start."""
+    import transformers
     import verl  # noqa: F401  (loads the otb_ref plugin: the fused route)
 
-    fused, sum_pi_squared = VARIANTS[variant]
-    engine = _engine(_model(args, fused))
-    micro_batch = _micro_batch(args, fused, sum_pi_squared)
+    model_class = transformers.Qwen2ForCausalLM
+    plain_forward = model_class.forward
+    engine = _engine(_model(args, fused=True))
+    forwards = {True: model_class.forward, False: plain_forward}  # verl's patch is per class: switch it per pass
+    batches = {variant: _micro_batch(args, *flags) for variant, flags in VARIANTS.items()}
 
-    def one_pass():
+    def one_pass(variant: str) -> tuple[float, float]:
+        model_class.forward = forwards[VARIANTS[variant][0]]
+        micro_batch = batches[variant]
+        start_rss = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts here
+        begin = time.perf_counter()
         with torch.no_grad():
             inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
             raw = engine.module(**inputs, use_cache=False)
-            return engine.prepare_model_outputs(raw, output_args, micro_batch, logits_processor_func=None)
+            output = engine.prepare_model_outputs(raw, output_args, micro_batch, logits_processor_func=None)
+        seconds = time.perf_counter() - begin
+        del raw, output
+        return seconds, (_status_kib("VmHWM") - start_rss) / 2**20
 
-    output = one_pass()  # warm-up
-    del output
-    start_rss = _status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts here
-    seconds = []
-    for _ in range(args.repeats):
-        begin = time.perf_counter()
-        output = one_pass()
-        seconds.append(time.perf_counter() - begin)
-        del output
-    peak = _status_kib("VmHWM")
+    try:
+        for variant in VARIANTS:
+            one_pass(variant)  # warm-up
+        samples = {variant: [] for variant in VARIANTS}
+        for _ in range(args.repeats):
+            for variant in VARIANTS:
+                samples[variant].append(one_pass(variant))
+    finally:
+        model_class.forward = plain_forward
+    return {variant: _record(args, variant, passes) for variant, passes in samples.items()}
+
+
+def _record(args, variant: str, passes: list[tuple[float, float]]) -> dict:
+    seconds, peaks = [p[0] for p in passes], [p[1] for p in passes]
     return dict(
         bench="verl_old_log_prob_pass", variant=variant, tokens=args.tokens, hidden=args.hidden, vocab=args.vocab,
         layers=args.layers, sequences=args.sequences, repeats=args.repeats, seconds=statistics.median(seconds),
-        all_seconds=seconds, start_rss_gib=start_rss / 2**20, peak_rss_above_start_gib=(peak - start_rss) / 2**20,
+        all_seconds=seconds, peak_rss_above_start_gib=max(peaks), all_peak_rss_above_start_gib=peaks,
         machine=machine(torch.device("cpu")), torch=torch.__version__,
     )  # fmt: skip
 
@@ -134,23 +147,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sequences", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), help="(internal) measure one variant here")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each runs every variant once")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.hidden, args.intermediate, args.vocab, args.layers, args.repeats = 64, 56, 64, 1000, 1, 1
-    if args.variant:
-        print(json.dumps(run_variant(args, args.variant)), flush=True)
-        return
-    records = {}
-    shape = [f"--{key}={getattr(args, key)}" for key in ("tokens", "hidden", "intermediate", "vocab", "layers")]
-    shape += [f"--sequences={args.sequences}", f"--repeats={args.repeats}"]
-    for variant in VARIANTS:  # one fresh process each: its own resident set
-        command = [sys.executable, __file__, *shape, "--variant", variant]
-        out = subprocess.run(command, check=True, capture_output=True, text=True)
-        records[variant] = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    records = run(args)
     base = records["fused"]
     out_file = args.out.open("a") if args.out else None
     for record in records.values():

@@ -341,7 +341,8 @@ def _verl_version() -> str:
 
 def install() -> None:
     """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
-    ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``. Idempotent."""
+    ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``, and install the fused-kernel route
+    for Σπ² (:func:`otb_ref.integrations.verl_fused.install`). Idempotent."""
     global _route_installed, _fused_route_installed
     from verl.trainer.ppo import core_algos
 

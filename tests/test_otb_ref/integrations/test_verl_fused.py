@@ -330,7 +330,7 @@ def test_a_forward_with_gradients_that_asks_for_sum_pi_squared_is_refused(restor
 
 
 def test_benchmark_measures_each_variant_at_a_tiny_shape(restore_verl_patches):
-    """benchmarks/verl_fused.py's measurement of one variant (the command runs each in a fresh process)."""
+    """benchmarks/verl_fused.py's measurement (every variant, one round)."""
     spec = importlib.util.spec_from_file_location("verl_fused_bench", BENCHMARKS / "verl_fused.py")
     bench = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(BENCHMARKS))
@@ -339,7 +339,7 @@ def test_benchmark_measures_each_variant_at_a_tiny_shape(restore_verl_patches):
     finally:
         sys.path.remove(str(BENCHMARKS))
     args = SimpleNamespace(tokens=32, hidden=28, intermediate=32, vocab=300, layers=1, sequences=2, repeats=1)
-    for variant in bench.VARIANTS:
-        CLASSES["qwen2"].forward = _PLAIN_FORWARD["qwen2"]  # verl's patch is per class; the command's are per process
-        record = bench.run_variant(args, variant)
+    records = bench.run(args)
+    assert sorted(records) == sorted(bench.VARIANTS)
+    for variant, record in records.items():
         assert record["seconds"] > 0 and record["peak_rss_above_start_gib"] >= 0 and record["variant"] == variant
