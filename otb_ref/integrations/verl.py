@@ -16,27 +16,56 @@ estimators                                  legacy trainer (use_v1=false)       
 rewards only: grpo, rloo, opo,              yes                                  yes
 token_mean, token_length
 proxy: otb, sequence_proxy                  with ``actor.calculate_sum_pi_squared  no: V1 fetches no Σπ²
-                                            =true`` and ``model.use_fused_kernels
-                                            =false``
+                                            =true``; engines and fused kernels:
+                                            the next table
 exact: eob, otb_exact                       no: verl computes no per-response gradient norms
 ==========================================  ===================================  ===========================
 
+Where proxy estimators get Σπ² (legacy trainer, ``actor.calculate_sum_pi_squared=true``); every "refused" is
+refused by ``validate_config`` before any worker starts, with the keys to change:
+
+==================================================  ========================================================
+actor engine (``actor.strategy``) and model         Σπ²
+==================================================  ========================================================
+fsdp / fsdp2, ``model.use_fused_kernels=false``     verl's own, from the full logits
+fsdp / fsdp2, fused kernels with                    otb_ref's route (:mod:`otb_ref.integrations.verl_fused`):
+``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits;
+``liger`` without liger-kernel: the same forward)   remove-padding on and off
+fused kernels, ``impl_backend=triton``              refused: ``impl_backend=torch`` or
+                                                    ``use_fused_kernels=false``
+fused kernels, ``liger`` with liger-kernel          refused: as triton
+fused kernels, vision-language model                refused: ``use_fused_kernels=false`` (known at validation
+                                                    when ``model.path`` is a local directory; otherwise at
+                                                    the first old-log-prob pass)
+megatron, veomni (or fsdp_turbo), fused kernels     refused: ``use_fused_kernels=false``
+megatron, veomni, fsdp_turbo without fused kernels  verl's own
+automodel, torchtitan (any mode)                    refused: ``actor.strategy=fsdp`` (they compute no Σπ²)
+``algorithm.rollout_correction.bypass_mode=true``   refused: ``bypass_mode=false`` (no old-log-prob pass)
+==================================================  ========================================================
+
 Proxy estimators need Σπ² and old log-probs; verl passes them (and rollout IS weights) only to its own two OTB
 names. :func:`install` therefore wraps ``compute_advantage`` in both modules that hold it (``ray_trainer`` and
-``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, and wraps ``validate_config`` so that a
+``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, wraps ``validate_config`` so that a
 configuration that cannot feed the chosen estimator fails before training starts, with one message naming the
-keys to set. The wraps are installed for the verl versions in :data:`TESTED_VERL` only.
+keys to set, and installs the fused-kernel route. ``validate_config`` also refuses, for any estimator, an
+environment with a TRL that verl's FSDP model build cannot import (TRL 1.16: install the extras apart). The wraps
+are installed for the verl versions in :data:`TESTED_VERL` only.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import inspect
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from otb_ref.advantages import compute_advantages
 from otb_ref.estimators import ESTIMATORS
+from otb_ref.integrations import verl_fused
 
 __all__ = ["PREFIX", "TESTED_VERL", "install", "resolve", "config_problems", "registered_names"]
 
@@ -47,6 +76,7 @@ OPTIONS = ("leave_one_out", "std_normalize", "handle_zero_tail", "multi_turn", "
 SUFFIXES = {"_loo": "leave_one_out", "_std": "std_normalize"}
 _log = logging.getLogger(__name__)
 _route_installed = False
+_fused_route_installed = False
 
 EXACT_UNSUPPORTED = (
     "verl computes no per-response gradient norms (||S||², ||S_t||²); use otb_ref.otb (the proxy) in verl, "
@@ -94,38 +124,125 @@ def resolve(adv_estimator: Any, config: Any = None) -> tuple[str, dict]:
     return name, options
 
 
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+NO_SUM_PI_SQUARED_ENGINES = ("automodel", "torchtitan")  # verl 0.9.1's engines that compute no Σπ² in any mode
+# Model types whose fused forward is not verl's text-model one (models/transformers/monkey_patch.py, verl 0.9.1).
+VISION_LANGUAGE_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "kimi_vl",
+)
+
+
 def config_problems(config: Any) -> list[str]:
     """What a full verl config (``DictConfig``) lacks to feed its ``otb_ref.*`` estimator, one line per key;
-    ``[]`` when it is fine or the estimator is not ours."""
+    ``[]`` when it is fine or the estimator is not ours (but for an environment in which verl cannot build a model,
+    refused whatever the estimator)."""
+    problems = _environment_problems(config)
     adv_estimator = config.algorithm.adv_estimator
     if not is_ours(adv_estimator):
-        return []
+        return problems
     name, _ = resolve(adv_estimator, config.algorithm)
     energy = ESTIMATORS[name].energy
     if energy == "exact":
-        return [
+        return problems + [
             f"algorithm.adv_estimator={_name_of(adv_estimator)}: unsupported: " + EXACT_UNSUPPORTED.format(name=name)
         ]
     if energy != "proxy":
-        return []
-    problems = []
+        return problems
     if not _route_installed:
         problems.append(f"verl {_verl_version()} is not a tested version {TESTED_VERL}: no route for Σπ²")
     if config.trainer.get("use_v1", True):
         problems.append("trainer.use_v1=false (verl's V1 trainer does not fetch sum_pi_squared for advantages)")
-    actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
-    if not actor.get("calculate_sum_pi_squared", False):
+    if not config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False):
         problems.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
-    if model.get("use_fused_kernels", False) or actor.get("use_fused_kernels", False):
-        problems.append("actor_rollout_ref.model.use_fused_kernels=false (verl computes no Σπ² in fused kernels)")
-    return problems
+    correction = config.algorithm.get("rollout_correction", None)
+    if correction is not None and correction.get("bypass_mode", False):
+        problems.append(
+            "algorithm.rollout_correction.bypass_mode=false (bypass mode skips the old-log-prob pass, "
+            "the one that computes Σπ²)"
+        )
+    return problems + _engine_problems(config.actor_rollout_ref)
+
+
+def _engine_problems(actor_rollout_ref: Any) -> list[str]:
+    """The actor's engine and fused-kernel settings that give no Σπ² (verl 0.9.1)."""
+    actor, model = actor_rollout_ref.actor, actor_rollout_ref.model
+    strategy = actor.get("strategy", "fsdp")
+    if strategy in NO_SUM_PI_SQUARED_ENGINES:
+        return [f"actor_rollout_ref.actor.strategy=fsdp (or fsdp2, megatron; the {strategy} engine computes no Σπ²)"]
+    if not (model.get("use_fused_kernels", False) or actor.get("use_fused_kernels", False)):
+        return []
+    reason = _fused_refusal(strategy, model)
+    return [f"actor_rollout_ref.model.use_fused_kernels=false ({reason})"] if reason else []
+
+
+def _fused_refusal(strategy: str, model: Any) -> str | None:
+    """Why fused kernels give no Σπ² with this engine and model config, or None where otb_ref's route covers them."""
+    if strategy not in FSDP_STRATEGIES:
+        return (
+            f"verl computes no Σπ² in fused kernels on the {strategy} engine; otb_ref's route covers the FSDP engine, "
+            "actor_rollout_ref.actor.strategy=fsdp or fsdp2"
+        )
+    if not _fused_route_installed:
+        return f"otb_ref's fused-kernel route for Σπ² is not installed on verl {_verl_version()}"
+    options = model.get("fused_kernel_options", None)
+    backend = options.get("impl_backend", "torch") if options is not None else "torch"
+    keep_fused = "; or keep fused kernels with actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"
+    if backend not in ("torch", "liger"):
+        return f"the {backend} backend's kernel gives no Σπ²" + keep_fused
+    if backend == "liger" and importlib.util.find_spec("liger_kernel") is not None:
+        return "liger-kernel is installed, so the liger backend runs liger's kernel, which gives no Σπ²" + keep_fused
+    if _is_vision_language(model.get("path", None)):
+        return "a vision-language model: verl's fused forward for it is not covered"
+    return None
+
+
+def _is_vision_language(path: Any) -> bool:
+    """Whether the model at ``path`` (a local directory with config.json) is vision-language; False if unreadable
+    (the engine then refuses at the first old-log-prob pass instead)."""
+    config_file = Path(str(path)) / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        return False
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in hf_config or hf_config.get("model_type") in VISION_LANGUAGE_TYPES
+
+
+def _environment_problems(config: Any) -> list[str]:
+    """verl 0.9.1's FSDP model build imports trl's AutoModelForCausalLMWithValueHead whenever TRL is installed."""
+    from omegaconf import OmegaConf
+
+    actor = OmegaConf.select(config, "actor_rollout_ref.actor", default=None) if OmegaConf.is_config(config) else None
+    strategy = actor.get("strategy", "fsdp") if actor is not None else "fsdp"
+    if strategy not in FSDP_STRATEGIES or importlib.util.find_spec("trl") is None:
+        return []
+    for module in ("trl.experimental.ppo", "trl"):
+        try:
+            if hasattr(importlib.import_module(module), "AutoModelForCausalLMWithValueHead"):
+                return []
+        except ImportError:
+            continue
+    return [
+        "an environment without TRL (pip uninstall trl; install otb_ref's extras [verl] and [trl] in separate "
+        "environments): verl's FSDP model build imports trl's AutoModelForCausalLMWithValueHead, which this TRL "
+        "lacks"
+    ]
 
 
 def _missing_inputs_message(registered: str) -> str:
     return (
         f"{registered} needs sum_pi_squared and old_log_probs, which verl did not pass. Set "
-        "trainer.use_v1=false, actor_rollout_ref.actor.calculate_sum_pi_squared=true and "
-        "actor_rollout_ref.model.use_fused_kernels=false"
+        "trainer.use_v1=false, actor_rollout_ref.actor.calculate_sum_pi_squared=true, "
+        "algorithm.rollout_correction.bypass_mode=false and actor_rollout_ref.model.use_fused_kernels=false (or its "
+        "torch backend on the FSDP engine)"
         + ("" if _route_installed else f"; and use a tested verl {TESTED_VERL} (found {_verl_version()})")
     )
 
@@ -224,8 +341,9 @@ def _verl_version() -> str:
 
 def install() -> None:
     """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
-    ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``. Idempotent."""
-    global _route_installed
+    ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``, and install the fused-kernel route
+    for Σπ² (:func:`otb_ref.integrations.verl_fused.install`). Idempotent."""
+    global _route_installed, _fused_route_installed
     from verl.trainer.ppo import core_algos
 
     for registered in registered_names():
@@ -245,3 +363,6 @@ def install() -> None:
     for module in (ray_trainer, v1_utils):
         module.compute_advantage = _with_proxy_route(module.compute_advantage)
     _route_installed = True
+    _fused_route_installed = verl_fused.install()
+    if not _fused_route_installed:
+        _log.warning("otb_ref: verl's fused LM-head path is not the expected one: no Σπ² with fused kernels")

@@ -187,8 +187,10 @@ def test_config_problems_name_every_key_to_set_before_training():
         "actor_rollout_ref.actor.calculate_sum_pi_squared": True,
     }
     assert plugin.config_problems(_full_config(**fixed)) == []
-    fused = plugin.config_problems(_full_config(**fixed, **{"actor_rollout_ref.model.use_fused_kernels": True}))
-    assert fused and "use_fused_kernels=false" in fused[0]
+    fused = {"actor_rollout_ref.model.use_fused_kernels": True}  # the torch backend: otb_ref's route (test_verl_fused)
+    assert plugin.config_problems(_full_config(**fixed, **fused)) == []
+    triton = {**fused, "actor_rollout_ref.model.fused_kernel_options.impl_backend": "triton"}
+    assert "use_fused_kernels=false" in plugin.config_problems(_full_config(**fixed, **triton))[0]
     assert plugin.config_problems(_full_config(**{"algorithm.adv_estimator": "otb_ref.token_mean"})) == []
     assert "unsupported" in plugin.config_problems(_full_config(**{"algorithm.adv_estimator": "otb_ref.eob"}))[0]
 

@@ -1,0 +1,212 @@
+"""Σπ² from verl's fused LM-head path (``actor_rollout_ref.model.use_fused_kernels=true``; verl 0.9.1).
+
+verl's fused forward computes the log-probs and entropy chunk by chunk from the last hidden states and the LM-head
+weight, so no ``[T, V]`` logits exist; its FSDP engine therefore refuses ``calculate_sum_pi_squared`` there.
+:func:`install` adds Σπ² to that same chunk loop (one LM-head matmul per chunk: ``log π(y)``, the entropy and
+``Σ_v π_v²`` all come from one ``softmax`` of it) by wrapping four functions of verl:
+
+1. ``dense_common.forward_with_torch_backend`` (the forward verl's monkey patch gives text models for the torch and
+   liger backends): with the keyword ``otb_ref_sum_pi_squared=True`` it runs the model with Σπ² requested and
+   returns ``sum_pi_squared`` in its output, beside ``log_probs`` and ``entropy``;
+2. ``FusedLinearForPPO.forward``: while Σπ² is requested, :func:`chunk_statistics` replaces verl's chunk loop
+   (the same operations for the log-probs and entropy, so the same numbers, plus Σπ²);
+3. ``FSDPEngineWithLMHead.prepare_model_inputs``: adds that keyword when the micro-batch asks for Σπ² with fused
+   kernels, after checking that the model's forward is the wrapped one (else it refuses, naming the keys);
+4. ``FSDPEngineWithLMHead.prepare_model_outputs``: lays Σπ² out as the log-probs (remove-padding on and off)
+   instead of raising.
+
+A run that does not ask for Σπ² with fused kernels goes through verl's functions unchanged. The forward wrap takes
+effect for models built after :func:`install` (verl's monkey patch reads the module attribute when it patches).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+import torch
+
+__all__ = ["chunk_statistics", "install", "FLAG"]
+
+FLAG = "otb_ref_sum_pi_squared"  # the model keyword that asks the wrapped fused forward for Σπ²
+_MARK = "_otb_ref_sum_pi_squared"
+_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("otb_ref_sum_pi_squared", default=None)
+KEYS_TO_CHANGE = (
+    "set actor_rollout_ref.model.use_fused_kernels=false or actor_rollout_ref.actor.calculate_sum_pi_squared=false"
+)
+
+
+def chunk_statistics(hidden, weight, labels, temperature: float, chunk_size: int, cross_entropy=None):
+    """``(log π(labels), entropy, Σπ²)`` of ``softmax(hidden @ weightᵀ / temperature)``, ``chunk_size`` rows at a time.
+
+    The log-probs and entropy are computed with the operations of verl 0.9.1's fused torch backend (fp32 softmax of
+    each chunk's logits; ``cross_entropy``, verl's flash-attn kernel where it uses one, else ``log_softmax``), so
+    they are its numbers; Σπ² is ``Σ_v π_v²`` of the same ``π``. hidden: ``[..., d]``; weight: ``[V, d]``; labels:
+    ``[...]``. Returns three tensors shaped like ``labels``: fp32, hidden's dtype (as verl), fp32.
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    rows = flat_hidden.shape[0]
+    log_probs = torch.empty(rows, device=hidden.device, dtype=torch.float32)
+    entropy = hidden.new_empty(rows)
+    sum_pi_squared = torch.empty(rows, device=hidden.device, dtype=torch.float32)
+    for start in range(0, rows, chunk_size):
+        part = slice(start, min(start + chunk_size, rows))
+        logits = (flat_hidden[part] @ weight.t()) / temperature  # the chunk's one LM-head matmul
+        logits_dtype = logits.dtype
+        logits = logits.to(torch.float32)
+        probs = logits.softmax(dim=-1)
+        entropy[part] = (torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)).to(logits_dtype)
+        sum_pi_squared[part] = torch.einsum("rv,rv->r", probs, probs)  # a reduction: no third [c, V] buffer
+        del probs
+        if cross_entropy is not None:
+            log_probs[part] = -cross_entropy(logits, flat_labels[part])[0]
+        else:
+            log_probs[part] = logits.log_softmax(dim=-1).gather(-1, flat_labels[part].unsqueeze(-1)).squeeze(-1)
+    return log_probs.view(labels.shape), entropy.view(labels.shape), sum_pi_squared.view(labels.shape)
+
+
+def _fused_linear_forward(original, functional):
+    """``FusedLinearForPPO.forward`` that, while a forward asked for Σπ², computes it in the same chunk loop."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        request = _REQUEST.get()
+        if request is None:
+            return original(self, hidden_states, vocab_weights, input_ids, temperature)
+        if self.impl_backend == "liger" and functional._LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY is not None:
+            raise NotImplementedError(
+                "otb_ref: Σπ² with fused kernels: liger-kernel is installed, so the liger backend runs liger's "
+                "kernel, which gives no Σπ²; set actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"
+            )
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or vocab_weights.requires_grad):
+            raise NotImplementedError(
+                "otb_ref: Σπ² with fused kernels is computed in no-grad passes only (verl's old-log-prob pass)"
+            )
+        cross_entropy = functional.cross_entropy_loss if functional._FLASH_ATTN_CROSS_ENTROPY_AVAILABLE else None
+        log_probs, entropy, request["sum_pi_squared"] = chunk_statistics(
+            hidden_states, vocab_weights, input_ids.to(torch.int64), temperature, self.chunk_size, cross_entropy
+        )
+        return log_probs, entropy
+
+    setattr(forward, _MARK, True)
+    return forward
+
+
+def _model_forward(original):
+    """The fused model forward, with the keyword :data:`FLAG`: Σπ² requested, returned as ``sum_pi_squared``."""
+
+    @functools.wraps(original)
+    def forward_with_torch_backend(self, *args, otb_ref_sum_pi_squared: bool = False, **kwargs):
+        if not otb_ref_sum_pi_squared:
+            return original(self, *args, **kwargs)
+        request: dict = {}
+        token = _REQUEST.set(request)
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            _REQUEST.reset(token)
+        if "sum_pi_squared" not in request:
+            raise RuntimeError(f"otb_ref: {type(self).__name__}'s fused forward did not reach FusedLinearForPPO")
+        output["sum_pi_squared"] = request["sum_pi_squared"]
+        return output
+
+    setattr(forward_with_torch_backend, _MARK, True)
+    return forward_with_torch_backend
+
+
+def asks_for_it(micro_batch) -> bool:
+    """Whether a micro-batch asks the engine for Σπ² with fused kernels (verl's non-tensor flags)."""
+    from verl.utils import tensordict_utils as tu
+
+    flags = ("calculate_sum_pi_squared", "use_fused_kernels")
+    return all(tu.get_non_tensor_data(data=micro_batch, key=key, default=False) for key in flags)
+
+
+def require_route(module: torch.nn.Module) -> None:
+    """Raise unless ``module`` holds a model whose fused forward is the wrapped torch/liger one."""
+    for model in module.modules():
+        backend = getattr(model, "_verl_fused_kernels_backend", None)
+        if backend is None:
+            continue
+        if backend in ("torch", "liger") and getattr(type(model).forward, _MARK, False):
+            return
+        raise NotImplementedError(
+            f"otb_ref: Σπ² with fused kernels covers verl's text-model forward with the torch or liger backend "
+            f"(built after `import verl`); {type(model).__name__} runs another (backend {backend!r}): {KEYS_TO_CHANGE}"
+        )
+    raise NotImplementedError(
+        f"otb_ref: Σπ² with fused kernels: no model patched by verl's fused kernels; {KEYS_TO_CHANGE}"
+    )
+
+
+def _prepare_inputs(original):
+    @functools.wraps(original)
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = original(self, micro_batch)
+        if asks_for_it(micro_batch):
+            require_route(self.module)
+            model_inputs[FLAG] = True
+        return model_inputs, output_args
+
+    setattr(prepare_model_inputs, _MARK, True)
+    return prepare_model_inputs
+
+
+def layout_like_log_probs(engine, values: torch.Tensor, output_args: dict, micro_batch) -> torch.Tensor:
+    """Per-token ``values`` of the fused forward (``[1, nnz + pad]`` packed, or ``[B, L]`` padded) as the engine lays
+    out its log-probs: a jagged ``[B, j]`` nested tensor over the micro-batch's sequences."""
+    from verl.utils import tensordict_utils as tu
+
+    offsets = micro_batch["input_ids"].offsets()
+    if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+        flat = engine._gather_and_unpad_packed(values.squeeze(0), output_args["pad_size"])
+    else:
+        lengths = offsets.diff()
+        flat = values[torch.arange(values.shape[1], device=values.device) < lengths.unsqueeze(1)]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+def _prepare_outputs(original):
+    @functools.wraps(original)
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        if not asks_for_it(micro_batch):
+            return original(self, output, output_args, micro_batch, logits_processor_func)
+        from verl.utils import tensordict_utils as tu
+
+        values = output.get("sum_pi_squared", None)
+        if values is None:
+            raise RuntimeError(f"otb_ref: the fused forward returned no sum_pi_squared; {KEYS_TO_CHANGE}")
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)  # verl's part: log-probs, entropy
+        try:
+            model_output = original(self, output, output_args, micro_batch, logits_processor_func)
+        finally:
+            tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+        model_output["sum_pi_squared"] = layout_like_log_probs(self, values, output_args, micro_batch)
+        return model_output
+
+    setattr(prepare_model_outputs, _MARK, True)
+    return prepare_model_outputs
+
+
+def install() -> bool:
+    """Put the route in place (idempotent); ``False`` where verl's functions are not the expected ones."""
+    try:
+        from verl.models.transformers import dense_common
+        from verl.utils.experimental import torch_functional as functional
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError:
+        return False
+    wraps = (
+        (dense_common, "forward_with_torch_backend", _model_forward),
+        (functional.FusedLinearForPPO, "forward", lambda f: _fused_linear_forward(f, functional)),
+        (FSDPEngineWithLMHead, "prepare_model_inputs", _prepare_inputs),
+        (FSDPEngineWithLMHead, "prepare_model_outputs", _prepare_outputs),
+    )
+    if any(getattr(owner, name, None) is None for owner, name, _ in wraps):
+        return False
+    for owner, name, wrap in wraps:
+        current = getattr(owner, name)
+        if not getattr(current, _MARK, False):
+            setattr(owner, name, wrap(current))
+    return True
