@@ -17,7 +17,8 @@ seed-to-seed spread of the metric? Also the run machinery the driver shares.
   labelled "no variance contrast" and the main runs at it are not read as a test of variance.
 * **Spread.** The main runs' configuration at the middle learning rate of the grid, rloo and otb_loo at N = 4 and
   16, pilot seeds 100-102 (none of the main runs' seeds): the pooled within-cell standard deviation of the metric
-  (the run's mean reward per generated token) over seeds is the δ of the driver's decision rule.
+  (the run's mean reward per generated token) over seeds is the δ of the driver's decision rule. Two probes of the
+  grid's top (lr 3e-3 and 1e-2, N = 4, seed 100, both arms) say whether it reaches a collapsing rate.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ SNR_ESTIMATORS = {  # name -> (otb_ref estimator, flags)
 }
 SPREAD_SEEDS = (100, 101, 102)
 SPREAD_LR = 3e-4  # the middle of the driver's grid
+PROBE_LRS = (3e-3, 1e-2)  # the top of the grid: does it collapse? (one seed, N = 4, both arms)
 
 
 # ----------------------------------------------------------------------------- one run (shared with the driver)
@@ -349,19 +351,20 @@ def report(records_dir: Path, out_dir: Path, seconds: float) -> Path:
     if runs:
         spread, df = pooled_spread(runs)
         sections += [
-            f"## Seed-to-seed spread ({len(runs)} runs, lr {SPREAD_LR:g}, seeds {list(SPREAD_SEEDS)})",
+            f"## Seed-to-seed spread ({len(runs)} runs: lr {SPREAD_LR:g}, seeds {list(SPREAD_SEEDS)}; and the top of "
+            f"the grid, lr {', '.join(f'{lr:g}' for lr in PROBE_LRS)} at N = {GROUP_SIZES[0]}, seed {SPREAD_SEEDS[0]})",
             "",
-            "| arm | N | mean reward per generated token, per seed | final reward (last 10% of steps) | seconds |",
-            "|---|---|---|---|---|",
+            "| arm | N | lr | mean reward per generated token, per seed | final reward (last 10% of steps) "
+            "| median ‖Δθ‖ | seconds |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for arm in ARMS:
-            for n in GROUP_SIZES:
-                cell = [r for r in runs if r["arm"] == arm and r["group_size"] == n]
-                if cell:
-                    values = ", ".join(f"{reward_per_token(r['rows']):.4f}" for r in cell)
-                    finals = ", ".join(f"{final_reward(r['rows']):.3f}" for r in cell)
-                    secs = ", ".join(str(r["wall_seconds"]) for r in cell)
-                    sections.append(f"| {arm} | {n} | {values} | {finals} | {secs} |")
+        for key in sorted({(r["arm"], r["group_size"], r["lr"]) for r in runs}):
+            cell = [r for r in runs if (r["arm"], r["group_size"], r["lr"]) == key]
+            values = ", ".join(f"{reward_per_token(r['rows']):.4f}" for r in cell)
+            finals = ", ".join(f"{final_reward(r['rows']):.3f}" for r in cell)
+            steps = ", ".join(f"{statistics.median(x['update_norm'] for x in r['rows']):.3g}" for r in cell)
+            secs = ", ".join(str(r["wall_seconds"]) for r in cell)
+            sections.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {values} | {finals} | {steps} | {secs} |")
         sections += ["", f"Pooled within-cell standard deviation: **{spread:.4f}** ({df} degrees of freedom).", ""]
     sections.append("Design: the docstring of `experiments/variance_lr_pilot.py`.")
     return write_report(
@@ -375,6 +378,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--commit", action="store_true", help="git commit each record when it is written")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--skip-spread", action="store_true", help="only the SNR part")
+    parser.add_argument("--skip-snr", action="store_true", help="only the runs")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "variance_lr")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if not args.report_only:
         ensure_warm_start(warm, args.quick)
-        for seed in snr_seeds:
+        for seed in [] if args.skip_snr else snr_seeds:
             path = records_dir / f"snr_seed{seed}.json"
             if path.exists():
                 continue
@@ -404,20 +408,17 @@ def main(argv: list[str] | None = None) -> Path:
             path.write_text(json.dumps(record) + "\n")
             if args.commit:
                 commit_paths([path], f"results/variance_lr_pilot: SNR at the warm start, pilot seed {seed}")
-        todo = [(arm, n, seed) for seed in spread_seeds for n in GROUP_SIZES for arm in PRIMARY
-                if not (records_dir / f"{run_name(arm, n, SPREAD_LR, seed)}.json").exists()]  # fmt: skip
+        todo = [(arm, n, SPREAD_LR, seed) for seed in spread_seeds for n in GROUP_SIZES for arm in PRIMARY]
+        todo += [(arm, GROUP_SIZES[0], lr, spread_seeds[0]) for lr in PROBE_LRS for arm in PRIMARY if not args.quick]
+        todo = [item for item in todo if not (records_dir / f"{run_name(*item)}.json").exists()]
         if not args.skip_spread and todo:
             from concurrent.futures import ThreadPoolExecutor
 
             def job(item):
-                arm, n, seed = item
-                name, flags, begun = (
-                    run_name(arm, n, SPREAD_LR, seed),
-                    run_flags(task, arm, n, SPREAD_LR),
-                    time.perf_counter(),
-                )
+                arm, n, lr, seed = item
+                name, flags, begun = run_name(arm, n, lr, seed), run_flags(task, arm, n, lr), time.perf_counter()
                 run = run_one(name, flags, seed, steps, warm, args.runs_dir / "pilot", AIM_STEPS)
-                meta = {"name": name, "arm": arm, "group_size": n, "lr": SPREAD_LR, "seed": seed, "flags": flags}
+                meta = {"name": name, "arm": arm, "group_size": n, "lr": lr, "seed": seed, "flags": flags}
                 path = write_run_record(meta, run, time.perf_counter() - begun, records_dir)
                 if args.commit:
                     commit_paths([path], f"results/variance_lr_pilot: {name} ({steps} steps, {machine_name()})")
