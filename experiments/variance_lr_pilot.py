@@ -17,8 +17,9 @@ seed-to-seed spread of the metric? Also the run machinery the driver shares.
   labelled "no variance contrast" and the main runs at it are not read as a test of variance.
 * **Spread.** The main runs' configuration at the middle learning rate of the grid, rloo and otb_loo at N = 4 and
   16, pilot seeds 100-102 (none of the main runs' seeds): the pooled within-cell standard deviation of the metric
-  (the run's mean reward per generated token) over seeds is the δ of the driver's decision rule. Two probes of the
-  grid's top (lr 3e-3 and 1e-2, N = 4, seed 100, both arms) say whether it reaches a collapsing rate.
+  (the run's mean reward per generated token) over seeds is the δ of the driver's decision rule. A probe of the
+  grid's top (lr 1e-2, N = 4, seed 100, both arms) says whether it reaches a collapsing rate. Run order: N = 4 at
+  seeds 100-102, the probe, N = 16 at seeds 100-101.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ SNR_ESTIMATORS = {  # name -> (otb_ref estimator, flags)
 }
 SPREAD_SEEDS = (100, 101, 102)
 SPREAD_LR = 3e-4  # the middle of the driver's grid
-PROBE_LRS = (3e-3, 1e-2)  # the top of the grid: does it collapse? (one seed, N = 4, both arms)
+PROBE_LRS = (1e-2,)  # the top of the grid: does it collapse? (one seed, N = 4, both arms)
 
 
 # ----------------------------------------------------------------------------- one run (shared with the driver)
@@ -97,16 +98,25 @@ def run_flags(task: list[str], arm: str, n: int, lr: float) -> list[str]:
     return [*task, *COMMON, *ARMS[arm], "--group-size", str(n), "--lr", f"{lr:g}"]
 
 
-def run_one(name: str, flags: list[str], seed: int, steps: int, warm: Path, runs: Path, aim_steps) -> Path:
+def run_one(
+    name: str, flags: list[str], seed: int, steps: int, warm: Path, runs: Path, aim_steps, in_process: bool = False
+) -> Path:
     """One ``experiments/aimed_train.py`` run (train.py + the aim measurement) from ``warm`` into ``runs/<name>``;
-    an unfinished one restarts from scratch. Its log is a file, so the run survives its driver."""
+    an unfinished one restarts from scratch. Its log is a file, so the run survives its driver; ``in_process``
+    (quick mode) runs it in this process instead, with a tiny reference."""
     out = runs / name
     shutil.rmtree(out, ignore_errors=True)
     aim = ["--aim-steps", *map(str, [s for s in aim_steps if s <= steps]), *AIM]
     command = [sys.executable, str(ROOT / "experiments" / "aimed_train.py"), *aim, "--", "--model", str(warm),
                *flags, "--steps", str(steps), "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     runs.mkdir(parents=True, exist_ok=True)
+    if in_process:
+        import aimed_train
+
+        tiny = ["--aim-prompts", "2", "--aim-group", "4"]
+        aimed_train.main([*aim[: aim.index("--aim-prompts")], *tiny, *command[command.index("--") :]])
+        return out
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     log = runs / f"{name}.log"
     with open(log, "w") as stream:
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
@@ -408,8 +418,11 @@ def main(argv: list[str] | None = None) -> Path:
             path.write_text(json.dumps(record) + "\n")
             if args.commit:
                 commit_paths([path], f"results/variance_lr_pilot: SNR at the warm start, pilot seed {seed}")
-        todo = [(arm, n, SPREAD_LR, seed) for seed in spread_seeds for n in GROUP_SIZES for arm in PRIMARY]
+        # N = 4 at every pilot seed, then the probe of the grid's top, then N = 16 at two seeds (the order in which
+        # they are run: on a shared 2-core machine the driver's δ uses the cells complete by its commit).
+        todo = [(arm, GROUP_SIZES[0], SPREAD_LR, seed) for seed in spread_seeds for arm in PRIMARY]
         todo += [(arm, GROUP_SIZES[0], lr, spread_seeds[0]) for lr in PROBE_LRS for arm in PRIMARY if not args.quick]
+        todo += [(arm, n, SPREAD_LR, seed) for seed in spread_seeds[:2] for n in GROUP_SIZES[1:] for arm in PRIMARY]
         todo = [item for item in todo if not (records_dir / f"{run_name(*item)}.json").exists()]
         if not args.skip_spread and todo:
             from concurrent.futures import ThreadPoolExecutor
