@@ -361,8 +361,9 @@ def report(records_dir: Path, out_dir: Path, seconds: float) -> Path:
     if runs:
         spread, df = pooled_spread(runs)
         sections += [
-            f"## Seed-to-seed spread ({len(runs)} runs: lr {SPREAD_LR:g}, seeds {list(SPREAD_SEEDS)}; and the top of "
-            f"the grid, lr {', '.join(f'{lr:g}' for lr in PROBE_LRS)} at N = {GROUP_SIZES[0]}, seed {SPREAD_SEEDS[0]})",
+            f"## Seed-to-seed spread ({len(runs)} runs recorded of the planned: lr {SPREAD_LR:g} at N = 4 on seeds "
+            f"{list(SPREAD_SEEDS)} and at N = 16 on seeds {list(SPREAD_SEEDS[:2])}; the top of the grid, lr "
+            f"{', '.join(f'{lr:g}' for lr in PROBE_LRS)}, at N = {GROUP_SIZES[0]}, seed {SPREAD_SEEDS[0]})",
             "",
             "| arm | N | lr | mean reward per generated token, per seed | final reward (last 10% of steps) "
             "| median ‖Δθ‖ | seconds |",
@@ -375,7 +376,14 @@ def report(records_dir: Path, out_dir: Path, seconds: float) -> Path:
             steps = ", ".join(f"{statistics.median(x['update_norm'] for x in r['rows']):.3g}" for r in cell)
             secs = ", ".join(str(r["wall_seconds"]) for r in cell)
             sections.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {values} | {finals} | {steps} | {secs} |")
-        sections += ["", f"Pooled within-cell standard deviation: **{spread:.4f}** ({df} degrees of freedom).", ""]
+        sections += [
+            "",
+            f"Pooled within-cell standard deviation: **{spread:.4f}** ({df} degrees of freedom). "
+            "experiments/variance_lr.py takes its δ from the N = 4 cells at lr 3e-4 (seeds 100-102), the runs "
+            "complete when it was committed; the probe and the N = 16 spread runs were stopped then, to leave the "
+            "two cores to the grid (the grid's seed-0 runs at 1e-2 answer the probe's question).",
+            "",
+        ]
     sections.append("Design: the docstring of `experiments/variance_lr_pilot.py`.")
     return write_report(
         "variance_lr_pilot", "Pilot of the variance / learning-rate experiment", sections, seconds, out_dir
