@@ -285,13 +285,16 @@ def plot(by_cell: dict, comparisons: dict, group_sizes, lrs, selection, test, ou
                 [statistics.mean(pilot.reward_per_token(r["rows"]) for r in runs) for _, runs in points],
                 style, marker="o", label=f"{arm} N={n}",
             )  # fmt: skip
+            # a collapsed run's reference gradient is 0 (every reward 0) after the collapse: its aim is step 1's alone
+            steady = [(lr, runs) for lr, runs in points if not any(map(collapsed, runs))]
             aim_axis.plot(
-                [statistics.mean(median_step(r) for r in runs) for _, runs in points],
-                [statistics.mean(aim_mean(r, "cos_update") for r in runs) for _, runs in points],
+                [statistics.mean(median_step(r) for r in runs) for _, runs in steady],
+                [statistics.mean(aim_mean(r, "cos_update") for r in runs) for _, runs in steady],
                 style, marker="o", label=f"{arm} N={n}",
             )  # fmt: skip
     metric_axis.set(xscale="log", xlabel="learning rate", ylabel="M: reward per generated token", title="selection")
-    aim_axis.set(xscale="log", xlabel="median ‖Δθ‖ per step", ylabel="mean cos(Δθ, g_ref)", title="aim vs step size")
+    aim_axis.set(xscale="log", xlabel="median ‖Δθ‖ per step", ylabel="mean cos(Δθ, g_ref)",
+                 title="aim vs step size (runs that did not collapse)")  # fmt: skip
     metric_axis.legend(fontsize="small")
     aim_axis.legend(fontsize="small")
     figure.tight_layout()
@@ -407,6 +410,10 @@ def main(argv: list[str] | None = None) -> Path:
     sections += [
         "",
         "## Aim at equal rate (selection seeds, paired)",
+        "",
+        "After a collapse every reward is 0 and so is the reference gradient: a collapsed run's cosines are those of "
+        "the steps before it (step 1 alone when it collapsed early), and step 1's is the same at every rate (AdamW's "
+        "first step does not depend on the rate's size).",
         "",
         *aim_comparison(by_cell, group_sizes, lrs, selection),
         "",
