@@ -1,0 +1,201 @@
+"""Why do two measurements of OTB's SNR advantage over GRPO differ? (issue 28, "Gradient SNR across N")
+
+    python experiments/snr_gap.py --commit      # each setting's warm start if missing, its SNR record, the report
+    python experiments/snr_gap.py --quick       # seconds (the test suite)
+
+results/gradient_variance.md (copy_exact with 16-24-digit answers, width 64, warm start at a sampled exact-copy
+rate of 0.38) has include-self OTB 31-51x GRPO's SNR at equal N and OTB at N = 2.16 matching GRPO at N = 32. An
+independent study (answers of 1-4 and 7-15 digits, warm starts at exact-copy rates 0.49 and 0.57, 16 prompts x 48
+repetitions) found OTB 1.7-7x GRPO and the match at N = 6-13. Candidate causes: the task's length, the warm start's
+level, the include-self bias, the proxy vs exact energy. This measures the first two directly, with one code path:
+
+* **Settings.** ``copy_exact`` with answers of 1-4, 7-15 and 16-24 digits, each from a width-64 warm start of
+  ``experiments/warm_start.py`` (for 1-4 and 7-15: stopped at the first evaluation, every 2 steps, whose sampled
+  exact-copy rate reaches 0.5; for 16-24: the committed ``results/variance_lr_warm_start/``, 0.414).
+* **SNR.** At each warm start, R = 24 batches of 16 prompts x N responses, N in {2, 4, 8, 16, 32} (the N-batch is
+  the first N of 32 responses per prompt); ``SNR = ‖E g‖² / tr Cov g`` of the token-mean surrogate's gradient, by
+  the pair U-statistic (as in experiments/gradient_variance.py); estimators grpo (std-scaled), otb (include-self,
+  proxy), otb_loo, rloo. Reported: each SNR, otb / grpo at equal N, and N* = the N at which otb's SNR
+  reaches grpo's at N = 32 (linear in log2 N), with 90% bootstrap intervals over the batches.
+* **Not measured here**: the exact energy (experiments/gradient_variance.py has otb_exact equal to otb within its
+  intervals at 16-24 digits) and the independent study's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import gradient_variance
+import torch
+import variance_lr_pilot as pilot
+import warm_start
+
+from common import machine_name, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = {  # name -> (copy lengths, max new tokens, warm-start target or None for the committed warm start)
+    "copy1_4": ((1, 4), 8, 0.5),
+    "copy7_15": ((7, 15), 20, 0.5),
+    "copy16_24": ((16, 24), 32, None),
+}
+QUICK_SETTINGS = {"quick": ((2, 3), 6, 0.05)}
+ESTIMATORS = {
+    "grpo": ("grpo", {}),
+    "otb": ("otb", {}),
+    "otb_loo": ("otb", {"leave_one_out": True}),
+    "rloo": ("rloo", {}),  # GRPO without std has exactly RLOO's SNR (advantages (N-1)/N of RLOO's): not repeated
+}
+GROUP_SIZES = (2, 4, 8, 16, 32)
+PROMPTS, REPLICATES, PROMPT_SEED = 16, 24, 30_000
+
+
+def ensure_warm(name: str, setting, runs_dir: Path, quick: bool) -> Path:
+    (low, high), _, target = setting
+    if target is None:
+        return ROOT / "results" / "variance_lr_warm_start"
+    warm = runs_dir / name
+    if not (warm / "config.json").exists():
+        extra = ["--steps", "10", "--hidden-size", "32", "--eval-prompts", "16"] if quick else ["--hidden-size", "64"]
+        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", str(low), str(high),
+                         "--target-reward", str(target), "--eval-every", "2", *extra])  # fmt: skip
+    return warm
+
+
+def batch_gradients(lm, sample, sizes) -> torch.Tensor:
+    """[E, len(sizes), P]: as ``variance_lr_pilot.batch_gradients``, but one forward per N over only the rows it
+    uses (the first N responses of each group), which is cheaper when N ranges over 2..32."""
+    from otb_ref import compute_advantages
+    from otb_train.model import Policy
+    from otb_train.rollout import position_ids_from_mask
+
+    n_max, mask = sample.group_size, sample.mask.float()
+    groups, params = len(mask) // n_max, list(lm.parameters())
+    out = torch.zeros(len(ESTIMATORS), len(sizes), sum(p.numel() for p in params))
+    for k, n in enumerate(sizes):
+        rows = torch.tensor([g * n_max + i for g in range(groups) for i in range(n)])
+        sequences, sub_mask = sample.sequences[rows], sample.mask[rows]
+        attention = torch.cat([torch.ones(len(rows), sample.num_prompt, dtype=torch.bool), sub_mask], dim=1)
+        log_probs, _ = Policy(lm, 1.0, None)(
+            sequences, attention, position_ids_from_mask(attention), targets=sequences[:, sample.num_prompt :]
+        )
+        index, tokens = torch.arange(groups).repeat_interleave(n), float(mask[rows].sum())
+        for e, (estimator, flags) in enumerate(ESTIMATORS.values()):
+            advantages, _ = compute_advantages(
+                estimator, sample.rewards[rows], mask[rows], index, old_log_probs=sample.old_log_probs[rows],
+                sum_pi_squared=sample.sum_pi_squared[rows], **flags,
+            )  # fmt: skip
+            objective = (advantages * mask[rows] * log_probs).sum() / tokens
+            grads = torch.autograd.grad(objective, params, retain_graph=e + 1 < len(ESTIMATORS), allow_unused=True)
+            out[e, k] = torch.cat(
+                [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
+            )
+    return out
+
+
+def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes, reward: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from otb_train.tasks import synthetic_problem
+
+    lengths, max_new, _ = setting
+    lm = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
+    problems = [synthetic_problem("copy_exact", PROMPT_SEED, i, copy_lengths=lengths) for i in range(prompts)]
+    grads, rewards, started = [], [], time.perf_counter()
+    for replicate in range(replicates):
+        sample = gradient_variance.sample_batch(lm, problems, max(sizes), replicate + 1, max_new, PROMPT_SEED, reward)
+        grads.append(batch_gradients(lm, sample, sizes))
+        rewards.append(float(sample.rewards.sum() / len(sample.mask)))
+    stats = pilot.snr_statistics(torch.stack(grads))
+    names = list(ESTIMATORS)
+    grpo, otb = names.index("grpo"), names.index("otb")
+
+    def n_star(snr):  # [S, E, N] -> [S]: N at which otb reaches grpo's SNR at the largest N
+        return gradient_variance.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
+
+    point = n_star(stats["snr"][None])[0]
+    boot = n_star(stats["boot_snr"])
+    finite = boot[boot.isfinite()]
+    levels = torch.tensor([0.05, 0.95], dtype=boot.dtype)
+    interval = torch.quantile(finite, levels).tolist() if len(finite) else [math.nan, math.nan]
+    ratio = stats["boot_snr"][:, otb] / stats["boot_snr"][:, grpo]  # [S, N]
+    ratio_interval = [torch.quantile(ratio[:, k].nan_to_num(nan=0.0), levels).tolist() for k in range(len(sizes))]
+    record = {
+        "setting": name, "copy_lengths": list(lengths),
+        "warm": str(warm.relative_to(ROOT) if warm.is_relative_to(ROOT) else warm.name),
+        "prompts": prompts, "replicates": replicates, "group_sizes": list(sizes), "estimators": names,
+        "snr": stats["snr"].tolist(), "otb_over_grpo": (stats["snr"][otb] / stats["snr"][grpo]).tolist(),
+        "otb_over_grpo_90": ratio_interval, "n_star": float(point), "n_star_90": interval,
+        "n_star_never": float((~boot.isfinite()).double().mean()), "mean_reward": sum(rewards) / len(rewards),
+        "seconds": round(time.perf_counter() - started), "machine": machine_name(),
+    }  # fmt: skip
+    if warm.name != "variance_lr_warm_start" and (warm / "warm_start.json").exists():
+        record["warm_start"] = {
+            k: json.loads((warm / "warm_start.json").read_text())[k] for k in ("steps_run", "final_sampled_reward")
+        }
+    return record
+
+
+def report(records: list[dict], out_dir: Path, seconds: float) -> Path:
+    sizes = records[0]["group_sizes"] if records else list(GROUP_SIZES)
+    sections = [
+        "SNR = ‖E g‖² / tr Cov g of the batch gradient (16 prompts x N, 24 batches) at each setting's warm start; "
+        "include-self OTB (proxy energy) vs std-scaled GRPO. Design: the docstring of `experiments/snr_gap.py`.",
+        "",
+        "| setting | warm start: steps, sampled exact-copy rate | mean reward of the batches "
+        "| N* (otb reaches grpo's SNR at its largest N) [90%] | "
+        + " | ".join(f"otb / grpo at N = {n} [90%]" for n in sizes) + " |",
+        "|---|---|---|---|" + "---|" * len(sizes),
+    ]  # fmt: skip
+    for r in records:
+        warm = r.get("warm_start")
+        warm_text = f"{warm['steps_run']}, {warm['final_sampled_reward']:.3f}" if warm else "committed, 0.414"
+        ratios = " | ".join(
+            f"{v:.3g} [{lo:.3g}, {hi:.3g}]" for v, (lo, hi) in zip(r["otb_over_grpo"], r["otb_over_grpo_90"])
+        )
+        lo, hi = r["n_star_90"]
+        sections.append(
+            f"| {r['setting']} | {warm_text} | {r['mean_reward']:.3f} | {r['n_star']:.3g} [{lo:.3g}, {hi:.3g}] "
+            f"| {ratios} |"
+        )
+    sections += ["", "SNR by estimator and N:", ""]
+    for r in records:
+        head = "| estimator | " + " | ".join(f"N={n}" for n in r["group_sizes"]) + " |"
+        sections += [f"**{r['setting']}**", "", head, "|---|" + "---|" * len(r["group_sizes"])]
+        for e, name in enumerate(r["estimators"]):
+            sections.append(f"| {name} | " + " | ".join(f"{v:.3g}" for v in r["snr"][e]) + " |")
+        sections.append("")
+    return write_report("snr_gap", "OTB vs GRPO gradient SNR: task length and warm start", sections, seconds, out_dir)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--commit", action="store_true")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "snr_gap")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
+    args = parser.parse_args(argv)
+    started, records_dir = time.perf_counter(), args.out_dir / "snr_gap"
+    settings = QUICK_SETTINGS if args.quick else {k: SETTINGS[k] for k in args.settings}
+    prompts, replicates, sizes = (2, 3, (2, 4)) if args.quick else (PROMPTS, REPLICATES, GROUP_SIZES)
+    for name, setting in settings.items():
+        path = records_dir / f"{name}.json"
+        if path.exists():
+            continue
+        warm = ensure_warm(name, setting, args.runs_dir, args.quick)
+        record = measure(name, setting, warm, prompts, replicates, sizes, "copy" if args.quick else "copy_exact")
+        records_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record) + "\n")
+        if args.commit:
+            pilot.commit_paths([path], f"results/snr_gap: {name} ({machine_name()})")
+    records = [json.loads(p.read_text()) for p in sorted(records_dir.glob("*.json"))]
+    return report(records, args.out_dir, time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    print(main())
