@@ -16,6 +16,18 @@ pytestmark = pytest.mark.usefixtures("row_blocking")
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
+def _flags(name, leave_one_out, std_normalize, multi_turn, zero_tail, epsilon) -> dict:
+    """The keyword flags of one draw; multi_turn and handle_zero_tail only for token-level estimators."""
+    token = ESTIMATORS[name].granularity == "token"
+    return dict(
+        leave_one_out=leave_one_out,
+        std_normalize=std_normalize,
+        epsilon=epsilon,
+        multi_turn=multi_turn and token,
+        handle_zero_tail=zero_tail and token,
+    )
+
+
 @given(
     rollout_batches(),
     st.sampled_from(sorted(ESTIMATORS)),
@@ -28,14 +40,7 @@ TOL = dict(rtol=1e-9, atol=1e-9)
 )
 def test_readable_equals_fast_path(batch, name, leave_one_out, std_normalize, multi_turn, zero_tail, with_is, epsilon):
     """Every estimator, every flag: the plain form and the fast path give the same advantages and returns."""
-    token = ESTIMATORS[name].granularity == "token"
-    flags = dict(
-        leave_one_out=leave_one_out,
-        std_normalize=std_normalize,
-        epsilon=1e-4 if std_normalize else epsilon,
-        multi_turn=multi_turn and token,
-        handle_zero_tail=zero_tail and token,
-    )
+    flags = _flags(name, leave_one_out, std_normalize, multi_turn, zero_tail, 1e-4 if std_normalize else epsilon)
     inputs = dict(batch.inputs)
     if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
         inputs["rollout_is_weights"] = batch.rollout_is_weights
@@ -59,14 +64,7 @@ def test_readable_equals_fast_path_in_fp32(batch, name, leave_one_out, std_norma
     rule). What differs: torch's fp32 ``exp`` is vectorised by chunks, so a block and the whole tensor can round
     π(y) one ulp apart (2^-23 relative), and fp64 summation order. Bound (otb_ref/readable.py states it): 4 fp32 ulps
     of the returns' scale, times std scaling's amplification max|A| / max|G − B|, plus 2 ulps of the value."""
-    token = ESTIMATORS[name].granularity == "token"
-    flags = dict(
-        leave_one_out=leave_one_out,
-        std_normalize=std_normalize,
-        epsilon=epsilon,
-        multi_turn=multi_turn and token,
-        handle_zero_tail=zero_tail and token,
-    )
+    flags = _flags(name, leave_one_out, std_normalize, multi_turn, zero_tail, epsilon)
     as32 = lambda x: x.float() if isinstance(x, torch.Tensor) else x  # noqa: E731
     inputs = {key: as32(value) for key, value in batch.inputs.items()}
     fast = compute_advantages(name, as32(batch.rewards), batch.mask, batch.index, **inputs, **flags)
