@@ -15,6 +15,10 @@ No training: every number comes from the committed per-run records, through the 
   sizes: of the means): every split of the pooled runs into two groups of the observed sizes is enumerated
   (924 for 6 vs 6, 20 for 3 vs 3), and p is the fraction whose |difference| is at least the observed one. It
   ignores the pairing by seed; with 3 vs 3 runs its smallest possible p is 0.1.
+* **Paired tests (variance_lr).** An exact sign-flip permutation test of the mean paired difference: all 2^n sign
+  assignments of the n paired differences; p (two-sided) is the fraction whose |mean| is at least the observed one.
+  With n = 5 its smallest possible p is 2/32 = 0.0625, with n = 3 it is 0.25: a count of seeds above δ that this
+  test cannot separate from chance is read "inconclusive", whatever the committed rule's word.
 * **Reproduction floor.** The saving an N = 4 arm would have if it reached tau - delta only at its last step,
   in every seed: its T is then its whole run's generated tokens (``saving_interval``, the report's bootstrap).
 """
@@ -32,6 +36,8 @@ from pathlib import Path
 import reproduction
 import stability
 import stability_long
+import variance_lr
+import variance_lr_pilot
 
 from common import RESULTS, command_line, compact, write_report
 
@@ -45,6 +51,49 @@ def permutation_p(first: list[float], second: list[float]) -> float:
     splits = list(itertools.combinations(range(len(pooled)), len(first)))
     extreme = sum(abs(total - 2 * sum(pooled[i] for i in split)) >= observed - 1e-12 for split in splits)
     return extreme / len(splits)
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided sign-flip permutation p of the mean of paired differences."""
+    observed = abs(sum(diffs))
+    flips = list(itertools.product((1, -1), repeat=len(diffs)))
+    return sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips) / len(flips)
+
+
+def variance_lr_readings(records_dir: Path) -> dict:
+    """At each N: the test seeds' paired d(M) at the selected rates with its sign-flip p, collapses per arm, and at
+    every rate of the grid the selection seeds' paired d(M) (equal rate) with the ratio of median update norms."""
+    by_cell = variance_lr.cells(variance_lr_pilot.load_runs(records_dir))
+    lrs, selection, test = variance_lr.LRS, variance_lr.SELECTION_SEEDS, variance_lr.TEST_SEEDS
+    out = {}
+    for n in variance_lr.GROUP_SIZES:
+        comparison = variance_lr.test_comparison(by_cell, n, lrs, selection, test)
+        if "d_metric" not in comparison:
+            continue
+        chosen, d = comparison["chosen"], comparison["d_metric"]
+        collapsed = {
+            arm: sum(variance_lr.collapsed(by_cell[(arm, n, lr)][s]) for s in test) for arm, lr in chosen.items()
+        }
+        equal_rate = {}
+        for lr in lrs:
+            a, b = by_cell.get(("otb_loo", n, lr), {}), by_cell.get(("rloo", n, lr), {})
+            both = [s for s in selection if s in a and s in b]
+            diffs = [variance_lr_pilot.reward_per_token(a[s]["rows"]) - variance_lr_pilot.reward_per_token(b[s]["rows"])
+                     for s in both]  # fmt: skip
+            ratio = statistics.mean(variance_lr.median_step(a[s]) / variance_lr.median_step(b[s]) for s in both)
+            fallen = [sum(variance_lr.collapsed(c[s]) for s in both) for c in (a, b)]
+            equal_rate[f"{lr:g}"] = {"d_metric": diffs, "sign_flip_p": sign_flip_p(diffs), "step_ratio": ratio,
+                                     "collapsed": fallen}  # fmt: skip
+        out[str(n)] = {
+            "chosen": chosen,
+            "rule": variance_lr.decide(d["diffs"], variance_lr.DELTA),
+            "d_metric": d["diffs"],
+            "d_metric_interval": [d["mean"], d["low"], d["high"]],
+            "sign_flip_p": sign_flip_p(d["diffs"]),
+            "collapsed_test_seeds": collapsed,
+            "equal_rate_selection_seeds": equal_rate,
+        }
+    return out
 
 
 def _kls(rows: list[dict]) -> list[float]:
@@ -190,11 +239,14 @@ def run_seconds(records_dir: Path) -> dict:
 
 def readings(results: Path = RESULTS) -> dict:
     return {
-        "run_seconds": {name: run_seconds(results / name) for name in ("reproduction", "stability", "stability_long")},
+        "run_seconds": {
+            name: run_seconds(results / name) for name in ("reproduction", "stability", "stability_long", "variance_lr")
+        },
         "stability_long": stability_long_readings(reproduction.load_records(results / "stability_long")),
         "stability": stability_readings(reproduction.load_records(results / "stability")),
         "reproduction": reproduction_readings(reproduction.load_records(results / "reproduction")),
         "parameters": parameter_counts(),
+        "variance_lr": variance_lr_readings(results / "variance_lr"),
     }
 
 
@@ -270,6 +322,30 @@ def report(data: dict) -> list[str]:
         f"{_list(repro['saving_if_reached_at_last_step'], '.3f')}). At the cap of {repro['n4_token_cap']} tokens "
         f"({reproduction.STEPS} steps × 16 responses × 96 new tokens): "
         f"{reproduction.saving_text(*repro['saving_at_token_cap'])}.",
+        "",
+        "## variance_lr (records in `variance_lr/`): otb_loo − rloo, M = reward per generated token",
+        "",
+        "| N | selected rates (rloo, otb_loo) | committed rule | test seeds' d(M), mean [95% t] | sign-flip p | "
+        "collapsed (rloo, otb_loo) |",
+        "|---|---|---|---|---|---|",
+        *[
+            f"| {n} | {v['chosen']['rloo']:g}, {v['chosen']['otb_loo']:g} | {v['rule']} | "
+            f"{_list(v['d_metric'], '+.3f')}; {v['d_metric_interval'][0]:+.3f} [{v['d_metric_interval'][1]:+.3f}, "
+            f"{v['d_metric_interval'][2]:+.3f}] | {v['sign_flip_p']:.3f} | "
+            f"{v['collapsed_test_seeds']['rloo']}/5, {v['collapsed_test_seeds']['otb_loo']}/5 |"
+            for n, v in data["variance_lr"].items()
+        ],
+        "",
+        "At equal rate (selection seeds 0–2, paired; sign-flip p ≥ 0.25 at n = 3, so no single rate can separate):",
+        "",
+        "| N | lr | d(M) per seed | sign-flip p | median ‖Δθ‖ ratio otb_loo / rloo | collapsed (otb_loo, rloo) |",
+        "|---|---|---|---|---|---|",
+        *[
+            f"| {n} | {lr} | {_list(e['d_metric'], '+.3f')} | {e['sign_flip_p']:.2f} | {e['step_ratio']:.2f} | "
+            f"{e['collapsed'][0]}/3, {e['collapsed'][1]}/3 |"
+            for n, v in data["variance_lr"].items()
+            for lr, e in v["equal_rate_selection_seeds"].items()
+        ],
         "",
         "## run time (summed over each experiment's per-run records)",
         "",

@@ -31,6 +31,26 @@ def test_permutation_p_enumerates_every_split():
     assert readings.permutation_p([1, 2], [2, 1]) == 1.0
 
 
+def test_sign_flip_p_enumerates_every_sign():
+    assert readings.sign_flip_p([1, 1, 1]) == pytest.approx(2 / 8)  # all plus and all minus
+    assert readings.sign_flip_p([2, 1]) == pytest.approx(2 / 4)
+    assert readings.sign_flip_p([1, -1]) == 1.0
+    assert readings.sign_flip_p([1.0] * 5) == pytest.approx(2 / 32)  # the smallest p at n = 5
+
+
+def test_variance_lr_reading_is_inconclusive_and_quoted(fresh):
+    """The committed rule's words, the test seeds' intervals and p, as RESULTS.md and the README quote them; no
+    comparison separable by the sign-flip test (p > 0.05 at both N)."""
+    v = fresh["variance_lr"]
+    assert v["4"]["rule"] == "variance reduction matters" and v["16"]["rule"].startswith("no difference")
+    for n, quoted in (("4", "N = 4 "), ("16", "N = 16 ")):
+        mean, low, high = v[n]["d_metric_interval"]
+        text = f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".replace("-", "−")
+        assert v[n]["sign_flip_p"] > 0.05
+        assert f"{quoted}{text}, sign-flip p = {v[n]['sign_flip_p']:.3f}" in RESULTS_MD
+        assert f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".replace("-", "−") in README
+
+
 def test_the_committed_record_is_what_the_command_writes(fresh):
     committed = json.loads((ROOT / "results" / "readings.json").read_text())
     assert {k: v for k, v in fresh.items() if k != "command"} == {k: v for k, v in committed.items() if k != "command"}
