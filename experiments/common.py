@@ -79,6 +79,16 @@ def write_records(name: str, records: dict, out_dir: Path = RESULTS) -> Path:
     return path
 
 
+def write_json_record(path: Path, record: dict) -> Path:
+    """One run's compact JSON record, written whole to ``<path>.partial`` and then renamed (a run killed mid-write
+    leaves no record, so a resumed driver runs it again)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    partial.rename(path)
+    return path
+
+
 def new_figure(columns: int = 1, width: float = 5.5, height: float = 4.0):
     """A matplotlib figure with ``columns`` axes side by side (Agg backend: no display needed)."""
     import matplotlib

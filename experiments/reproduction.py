@@ -53,7 +53,7 @@ from pathlib import Path
 
 import warm_start
 
-from common import machine_name, write_report
+from common import machine_name, write_json_record, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,12 +104,7 @@ def write_record(name: str, seed: int, run: Path, flags: list[str], seconds: flo
         "arm": name, "seed": seed, "flags": flags, "machine": machine_name(), "wall_seconds": round(seconds),
         "columns": COLUMNS, "steps": [[row.get(key) for key in COLUMNS] for row in rows],
     }  # fmt: skip
-    records_dir.mkdir(parents=True, exist_ok=True)
-    path = records_dir / f"{name}_seed{seed}.json"
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    partial.rename(path)
-    return path
+    return write_json_record(records_dir / f"{name}_seed{seed}.json", record)
 
 
 def commit(path: Path, message: str) -> None:

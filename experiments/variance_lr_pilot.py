@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import warm_start
 
-from common import machine_name, write_report
+from common import machine_name, write_json_record, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,12 +136,7 @@ def write_run_record(meta: dict, run: Path, seconds: float, records_dir: Path) -
         "steps": [[_short(row.get(key)) for key in COLUMNS] for row in rows],
         "aim": [{k: _short(v) for k, v in line.items()} for line in aims],
     }  # fmt: skip
-    records_dir.mkdir(parents=True, exist_ok=True)
-    path = records_dir / f"{meta['name']}.json"
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    partial.rename(path)
-    return path
+    return write_json_record(records_dir / f"{meta['name']}.json", record)
 
 
 def _short(value):
