@@ -292,7 +292,11 @@ def table(results: Path = RESULTS) -> str:
 
 
 def code_key() -> str:
-    return git("rev-parse", "HEAD:otb_ref")[:10] + "-" + git("rev-parse", "HEAD:tests")[:10]
+    """The library's and the tests' trees at HEAD (tests/tools, which tests this driver, left out)."""
+    import hashlib
+
+    tests = "\n".join(ln for ln in git("ls-tree", "-r", "HEAD", "tests").splitlines() if "\ttests/tools/" not in ln)
+    return git("rev-parse", "HEAD:otb_ref")[:10] + "-" + hashlib.sha1(tests.encode()).hexdigest()[:10]
 
 
 def main(argv: list[str] | None = None) -> int:
