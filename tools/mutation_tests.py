@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,14 +46,14 @@ def build_map(out_path: str, pytest_args: list[str]) -> int:
         def pytest_runtest_logreport(self, report):
             durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
 
-    data_file = Path(out_path).with_suffix(".coverage")
+    data_file = Path(tempfile.mkdtemp()) / ".coverage"  # outside the checkout: the tests fail on new files there
+    os.environ["COVERAGE_FILE"] = str(data_file)
     rc = pytest.main(
         [*pytest_args, "--cov=otb_ref", "--cov-context=test", "--cov-report=", f"--cov-config={os.devnull}"],
         plugins=[_Durations()],
     )
     if rc != 0:
         return int(rc)
-    os.replace(".coverage", data_file)
     data = coverage.CoverageData(basename=str(data_file))
     data.read()
     tests = sorted(durations)
