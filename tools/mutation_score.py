@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+import mutation_tests
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs" / "mutation"
 RESULTS = ROOT / "results" / "mutation_score"
@@ -174,6 +176,10 @@ def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.
         if sock.exists():
             break
         time.sleep(0.1)
+    answer = mutation_tests.ask(str(sock), {"baseline": 40})
+    if answer["status"] != 0:
+        server.kill()
+        raise SystemExit(f"lane {index}: the 40 fastest tests fail on the unmutated tree: {answer}")
     return tree, sock, server
 
 

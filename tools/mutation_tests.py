@@ -8,8 +8,8 @@ Three subcommands, all run by `tools/mutation_score.py`:
 * `serve SOCKET MAP.json`: a fork server in a mutation worktree. It imports torch, numpy, pytest and hypothesis once
   (never otb_ref, so each mutant is imported fresh) and, per request, forks a child that runs pytest in process on
   the selected tests with `-x`, fastest first, and answers pytest's exit status.
-* `run SOCKET`: the client cosmic-ray calls as its test command; exits with the server's answer (0: every selected
-  test passed, the mutant survived).
+* `run SOCKET`: the client cosmic-ray calls as its test command; the server finds the one module that differs from
+  HEAD and answers pytest's exit status (0: every selected test passed, the mutant survived).
 
 Selection (sound for the mutant at hand): the statement holding the mutation is found in the unmutated source; a
 statement inside a function body runs only when a test executes it, so the tests whose coverage context executed
@@ -137,11 +137,20 @@ def serve(sock_path: str, map_path: str) -> None:
 
 
 def _one_mutant(pytest, test_map: dict, pristine: dict, request: dict) -> dict:
-    module = request["module"]
-    mutated = Path(module).read_text()
-    tests = select(test_map, module, pristine[module], mutated)
-    if not tests:
-        return {"status": 0, "tests": 0, "note": "no test executes it"}
+    if "baseline" in request:  # the fastest tests on the unmutated tree: must pass, or the lane is broken
+        changed = [m for m in pristine if Path(m).read_text() != pristine[m]]
+        if changed:
+            return {"status": -1, "note": f"not pristine: {changed}"}
+        tests = sorted(test_map["tests"], key=lambda t: test_map["durations"][test_map["tests"].index(t)])
+        tests = tests[: request["baseline"]]
+    else:
+        changed = [m for m in pristine if Path(m).read_text() != pristine[m]]
+        if len(changed) != 1:
+            return {"status": -1, "note": f"expected one mutated module, found {changed}"}
+        (module,) = changed
+        tests = select(test_map, module, pristine[module], Path(module).read_text())
+        if not tests:
+            return {"status": 0, "tests": 0, "note": "no test executes it"}
     limit = 60.0 + 5.0 * sum(test_map["durations"][test_map["tests"].index(t)] for t in tests)
     pid = os.fork()
     if pid == 0:
@@ -162,13 +171,21 @@ def _one_mutant(pytest, test_map: dict, pristine: dict, request: dict) -> dict:
         time.sleep(0.02)
 
 
-def run(sock_path: str, module: str) -> int:
+def ask(sock_path: str, request: dict) -> dict:
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(sock_path)
-    client.sendall((json.dumps({"module": module}) + "\n").encode())
-    answer = json.loads(client.makefile().readline())
+    client.sendall((json.dumps(request) + "\n").encode())
+    return json.loads(client.makefile().readline())
+
+
+def run(sock_path: str) -> int:
+    """cosmic-ray's test command: 0 if every selected test passed (survived), 1 if one failed or timed out (killed).
+
+    Anything else (a broken lane, pytest's usage or internal error) exits 3 and is audited in the results' notes."""
+    answer = ask(sock_path, {})
     print(json.dumps(answer))
-    return 1 if answer["status"] not in (0,) else 0
+    status = answer["status"]
+    return 0 if status == 0 else 1 if status in (1, 2, 124) else 3
 
 
 def main(argv: list[str]) -> int:
@@ -179,7 +196,7 @@ def main(argv: list[str]) -> int:
         serve(argv[1], argv[2])
         return 0
     if command == "run":
-        return run(argv[1], argv[2])
+        return run(argv[1])
     raise SystemExit(f"unknown command {command!r}: coverage, serve or run")
 
 
