@@ -127,8 +127,9 @@ def serve(sock_path: str, map_path: str) -> None:
     if os.path.exists(sock_path):
         os.unlink(sock_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(sock_path)
+    server.bind(sock_path + ".starting")
     server.listen(1)
+    os.rename(sock_path + ".starting", sock_path)  # the socket appears once it accepts
     while True:
         conn, _ = server.accept()
         with conn:
