@@ -164,6 +164,7 @@ def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.
     if not where.decode().startswith(str(tree)):
         raise SystemExit(f"lane {index} imports otb_ref from {where.decode().strip()}, not from {tree}")
     sock = Path(f"/tmp/otb-mutation-lane{index}.sock")
+    sock.unlink(missing_ok=True)
     log = open(RUNS / f"lane{index}.log", "a")
     server = subprocess.Popen(
         [sys.executable, "tools/mutation_tests.py", "serve", str(sock), str(test_map)],
