@@ -121,6 +121,29 @@ def init_session(name: str, session: Path) -> None:
                 reason = "left out: in a type annotation"
             if reason:
                 db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+        _resume_from_results(db, name, session.stem.split("-", 1)[1])
+
+
+def _resume_from_results(db, name: str, key: str) -> None:
+    """Mutants with a result in the committed results of the same code (another machine's run) are not run again."""
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    done = load_results().get(name)
+    if done is None or done[0]["code"] != key:
+        return
+    known = {(r["file"], r["operator"], r["occurrence"]): r for r in done[1] if r["outcome"] in ("killed", "survived")}
+    for item in list(db.pending_work_items):
+        (m,) = item.mutations
+        record = known.get((str(m.module_path), m.operator_name, m.occurrence))
+        if record is not None:
+            outcome = TestOutcome.KILLED if record["outcome"] == "killed" else TestOutcome.SURVIVED
+            result = WorkResult(
+                worker_outcome=WorkerOutcome.NORMAL,
+                test_outcome=outcome,
+                output=record["note"],
+                diff=f"-{record['original']}\n+{record['mutated']}",
+            )
+            db.set_result(item.job_id, result)
 
 
 def _config(path: str, excluded: tuple[str, ...], test_command: str) -> str:
@@ -324,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     units = []
     for name in args.modules:
         session = RUNS / "sessions" / f"{name}-{key}.sqlite"
+        old_shards = list((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite"))
+        if old_shards:  # results so far to the results file, then shard afresh from there
+            write_results(name, key)
+            for path in old_shards:
+                path.unlink()
+            session.unlink(missing_ok=True)
         if not session.exists():
             init_session(name, session)
         units += [(name, shard_session(session, shard, args.lanes)) for shard in range(args.lanes)]
@@ -349,8 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=work, args=(i,)) for i in range(args.lanes)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    while any(t.is_alive() for t in threads):  # every 10 minutes, the results so far (a session may end any time)
+        for t in threads:
+            t.join(timeout=600 / len(threads))
+        with lock:
+            for name in args.modules:
+                if list((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite")):
+                    pending = write_results(name, key)
+                    if args.commit:
+                        _commit(name, pending)
     print(table())
     return 0
 
