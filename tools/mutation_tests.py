@@ -14,7 +14,8 @@ Three subcommands, all run by `tools/mutation_score.py`:
 Selection (sound for the mutant at hand): the statement holding the mutation is found in the unmutated source; a
 statement inside a function body runs only when a test executes it, so the tests whose coverage context executed
 any line of that statement are run. A mutation in module- or class-level code, a decorator, a default value or a
-function header runs at import: every test in the map that executes any line of the module is run. A statement no
+function header, or in a statement that ran while pytest collected (a function called at import), runs at import:
+every test in the map that executes any line of the module is run. A statement no
 test executes gives exit status 0 with "no test executes it" (it survives: no test could see it).
 """
 
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 _PHASES = ("|setup", "|run", "|teardown")
+IMPORT = -1  # in the map: the line ran while pytest collected (at import), outside any test
 STAGE_ONE = 8  # tests in the first stage of a mutant's run
 
 
@@ -65,7 +67,8 @@ def build_map(out_path: str, pytest_args: list[str]) -> int:
         lines: dict[str, list[int]] = {}
         for line, contexts in data.contexts_by_lineno(filename).items():
             ids = {_nodeid(c) for c in contexts if c}
-            lines[str(line)] = sorted(index[t] for t in ids if t in index)
+            at_import = [IMPORT] if "" in contexts else []  # ran outside any test: while collecting
+            lines[str(line)] = at_import + sorted(index[t] for t in ids if t in index)
         files[rel] = lines
     Path(out_path).write_text(json.dumps({"tests": tests, "durations": [durations[t] for t in tests], "files": files}))
     data_file.unlink()
@@ -107,10 +110,11 @@ def select(test_map: dict, module: str, pristine: str, mutated: str) -> list[str
     lines = test_map["files"].get(module, {})
     first, last = changed_lines(pristine, mutated)
     span = statement_span(ast.parse(pristine), first, last)
-    if span is None:
-        chosen = {i for ids in lines.values() for i in ids}
-    else:
+    if span is not None:
         chosen = {i for line in range(span[0], span[1] + 1) for i in lines.get(str(line), ())}
+    if span is None or IMPORT in chosen:  # runs at import: every test that runs the module
+        chosen = {i for ids in lines.values() for i in ids}
+    chosen.discard(IMPORT)
     order = sorted(chosen, key=lambda i: test_map["durations"][i])
     return [test_map["tests"][i] for i in order]
 

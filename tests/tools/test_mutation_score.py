@@ -136,3 +136,13 @@ def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
     for entry in json.loads(path.read_text()):
         assert entry["reason"].strip(), entry
         assert score.equivalent_key(entry) in survivors, f"stale entry (no such survivor): {entry}"
+
+
+def test_a_statement_run_at_import_runs_every_test_of_the_module():
+    test_map = {
+        "tests": ["t::a", "t::b", "t::c"],
+        "durations": [3.0, 1.0, 2.0],
+        "files": {"m.py": {"3": [-1, 0], "10": [select.IMPORT], "21": [2]}},
+    }
+    body = SOURCE.replace("x = x + 1", "x = x * 1")
+    assert select.select(test_map, "m.py", SOURCE, body) == ["t::c", "t::a"]
