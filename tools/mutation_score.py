@@ -97,7 +97,7 @@ def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]
     return spans
 
 
-def init_session(name: str, session: Path) -> None:
+def init_session(name: str, session: Path, module: str, key: str, resume: bool = True) -> None:
     """cosmic-ray init, then mark the mutants left out (see the module docstring) as skipped, with the reason."""
     import re
 
@@ -121,18 +121,21 @@ def init_session(name: str, session: Path) -> None:
                 reason = "left out: in a type annotation"
             if reason:
                 db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
-        _resume_from_results(db, name, session.stem.split("-", 1)[1])
+        if resume:
+            _resume_from_results(db, name, module, key)
 
 
-def _resume_from_results(db, name: str, key: str) -> None:
-    """Mutants with a result in the committed results of the same code (another machine's run) are not run again."""
+def _resume_from_results(db, name: str, module: str, key: str) -> None:
+    """Results already in the results file are not run again: a kill while the module's code is unchanged (tests
+    only grow, so a mutant once killed stays killed), a survivor while the library and the tests are unchanged.
+    (`--fresh` runs every mutant.)"""
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
     done = load_results().get(name)
-    if done is None or done[0]["code"] != key:
+    if done is None or done[0].get("module_code") != module:
         return
-    known = {(r["file"], r["operator"], r["occurrence"]): r for r in done[1] if r["outcome"] in ("killed", "survived")}
-    known = {k: r for k, r in known.items() if "no test executes it" not in r["note"]}  # the map may have changed
+    keep = ("killed", "survived") if done[0]["code"] == key else ("killed",)
+    known = {(r["file"], r["operator"], r["occurrence"]): r for r in done[1] if r["outcome"] in keep}
     for item in list(db.pending_work_items):
         (m,) = item.mutations
         record = known.get((str(m.module_path), m.operator_name, m.occurrence))
@@ -220,7 +223,7 @@ def _lines(diff: str, sign: str) -> str:
     return " / ".join(body)
 
 
-def collect(name: str, key: str) -> tuple[list[dict], int]:
+def collect(name: str, key: str) -> tuple[list[dict], int]:  # key: the session's, module_key()-code_key()
     """Per-mutant records of a module from its sessions (shards merged) and the number still pending."""
     from cosmic_ray.work_db import WorkDB, use_db
 
@@ -262,12 +265,13 @@ def _record(mutation, result) -> dict:
     }
 
 
-def write_results(name: str, key: str) -> int:
-    records, pending = collect(name, key)
+def write_results(name: str, module: str, key: str) -> int:
+    records, pending = collect(name, f"{module}-{key}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = {
         "module": name,
         "tool": f"cosmic-ray {_version('cosmic-ray')}",
+        "module_code": module,
         "code": key,
         "date": time.strftime("%Y-%m-%d"),
         "machine": _machine(),
@@ -322,6 +326,13 @@ def table(results: Path = RESULTS) -> str:
     return "\n".join(rows + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
 
 
+def module_key(name: str) -> str:
+    """The mutated files' contents at HEAD."""
+    import hashlib
+
+    return hashlib.sha1(git("ls-tree", "-r", "HEAD", MODULES[name][0]).encode()).hexdigest()[:10]
+
+
 def code_key() -> str:
     """The library's and the tests' trees at HEAD (tests/tools, which tests this driver, left out)."""
     import hashlib
@@ -335,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modules", nargs="+", choices=sorted(MODULES), default=list(MODULES))
     parser.add_argument("--lanes", type=int, default=2, help="worktrees mutated in parallel (one core each)")
     parser.add_argument("--commit", action="store_true", help="git commit each module's results as they change")
+    parser.add_argument("--fresh", action="store_true", help="run every mutant again (no results kept)")
     parser.add_argument("--table", action="store_true", help="only print the table from the committed results")
     args = parser.parse_args(argv)
     if args.table:
@@ -346,16 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     (RUNS / "sessions").mkdir(parents=True, exist_ok=True)
     test_map = coverage_map(key)
     units = []
+    keys = {name: module_key(name) for name in args.modules}
     for name in args.modules:
-        session = RUNS / "sessions" / f"{name}-{key}.sqlite"
-        old_shards = list((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite"))
-        if old_shards:  # results so far to the results file, then shard afresh from there
-            write_results(name, key)
+        stem = f"{name}-{keys[name]}-{key}"
+        session = RUNS / "sessions" / f"{stem}.sqlite"
+        old_shards = list((RUNS / "sessions").glob(f"{stem}.*of*.sqlite"))
+        if old_shards and not args.fresh:  # results so far to the results file, then shard afresh from there
+            write_results(name, keys[name], key)
+        if old_shards or args.fresh:
             for path in old_shards:
                 path.unlink()
             session.unlink(missing_ok=True)
         if not session.exists():
-            init_session(name, session)
+            init_session(name, session, keys[name], key, resume=not args.fresh)
         units += [(name, shard_session(session, shard, args.lanes)) for shard in range(args.lanes)]
     lock = threading.Lock()
 
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                     name, session = units.pop(0)
                 run_unit(name, session, tree, sock)
                 with lock:
-                    pending = write_results(name, key)
+                    pending = write_results(name, keys[name], key)
                     print(f"{name}: {session.name} done, {pending} pending", flush=True)
                     if args.commit:
                         _commit(name, pending)
@@ -384,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             t.join(timeout=600 / len(threads))
         with lock:
             for name in args.modules:
-                if list((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite")):
-                    pending = write_results(name, key)
+                if list((RUNS / "sessions").glob(f"{name}-{keys[name]}-{key}.*of*.sqlite")):
+                    pending = write_results(name, keys[name], key)
                     if args.commit:
                         _commit(name, pending)
     print(table())
