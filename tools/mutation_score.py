@@ -223,7 +223,7 @@ def _lines(diff: str, sign: str) -> str:
     return " / ".join(body)
 
 
-def collect(name: str, key: str) -> tuple[list[dict], int]:  # key: the session's, module_key()-code_key()
+def collect(name: str, key: str, head: str) -> tuple[list[dict], int]:  # key: the session's
     """Per-mutant records of a module from its sessions (shards merged) and the number still pending."""
     from cosmic_ray.work_db import WorkDB, use_db
 
@@ -237,14 +237,14 @@ def collect(name: str, key: str) -> tuple[list[dict], int]:  # key: the session'
                 if result is None:
                     pending += 1
                 elif result.output != "other shard":
-                    owner[item.job_id] = _record(item.mutations[0], result)
+                    owner[item.job_id] = _record(item.mutations[0], result, head)
     records = sorted(owner.values(), key=lambda r: (r["file"], r["line"], r["col"], r["operator"], r["occurrence"]))
     return records, pending
 
 
-def _record(mutation, result) -> dict:
+def _record(mutation, result, head: str) -> dict:
     file = str(mutation.module_path)
-    line = (ROOT / file).read_text().splitlines()[mutation.start_pos[0] - 1].strip()
+    line = _source(head, file)[mutation.start_pos[0] - 1].strip()  # the lanes' code, not the work tree's
     if result.worker_outcome == "skipped":
         outcome, note = "left out", result.output
     else:
@@ -265,8 +265,14 @@ def _record(mutation, result) -> dict:
     }
 
 
-def write_results(name: str, module: str, key: str) -> int:
-    records, pending = collect(name, f"{module}-{key}")
+def _source(head: str, file: str, cache: dict = {}) -> list[str]:  # noqa: B006 (a cache on purpose)
+    if (head, file) not in cache:
+        cache[head, file] = git("show", f"{head}:{file}").splitlines()
+    return cache[head, file]
+
+
+def write_results(name: str, module: str, key: str, head: str) -> int:
+    records, pending = collect(name, f"{module}-{key}", head)
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = {
         "module": name,
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         session = RUNS / "sessions" / f"{stem}.sqlite"
         old_shards = list((RUNS / "sessions").glob(f"{stem}.*of*.sqlite"))
         if old_shards and not args.fresh:  # results so far to the results file, then shard afresh from there
-            write_results(name, keys[name], key)
+            write_results(name, keys[name], key, head)
         if old_shards or args.fresh:
             for path in old_shards:
                 path.unlink()
@@ -384,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                     name, session = units.pop(0)
                 run_unit(name, session, tree, sock)
                 with lock:
-                    pending = write_results(name, keys[name], key)
+                    pending = write_results(name, keys[name], key, head)
                     print(f"{name}: {session.name} done, {pending} pending", flush=True)
                     if args.commit:
                         _commit(name, pending)
@@ -400,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             for name in args.modules:
                 if list((RUNS / "sessions").glob(f"{name}-{keys[name]}-{key}.*of*.sqlite")):
-                    pending = write_results(name, keys[name], key)
+                    pending = write_results(name, keys[name], key, head)
                     if args.commit:
                         _commit(name, pending)
     print(table())
