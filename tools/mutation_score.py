@@ -14,12 +14,13 @@ number, boolean, loop, decorator and exception handler of each module. Left out,
 
 Each mutant runs only the tests that execute the mutated statement (tools/mutation_tests.py: a coverage map of the
 unmutated tree, one context per test; import-time code runs every test of the module), `-x`, fastest first, with
-CI's derandomised hypothesis profile. Mutants run in `--lanes` git worktrees of HEAD under runs/mutation/, each
-with a fork server that has torch imported once. Resumable: cosmic-ray's session files (runs/mutation/sessions/)
-keep every result, and a rerun at the same commit continues with the pending mutants. Each module's per-mutant
+CI's derandomised hypothesis examples without shrinking (profile `mutations`). Mutants run in `--lanes` git
+worktrees of HEAD under runs/mutation/, each with a fork server that has torch imported once. Resumable:
+cosmic-ray's session files (runs/mutation/sessions/) keep every result, and the results file seeds a new session
+(kills kept while the module is unchanged, survivors while the library and tests are). Each module's per-mutant
 results go to results/mutation_score/<module>.jsonl; mutants shown equivalent are listed, with the reason, in
 results/mutation_score/equivalent.json; `--table` builds docs/mutations.md's table from both
-(tests/test_tools/test_mutation_score.py checks that the docs show it).
+(tests/tools/test_mutation_score.py checks that the docs show it).
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.
     git("checkout", "--force", "--detach", head, cwd=tree)
     for cache in tree.rglob("__pycache__"):
         shutil.rmtree(cache)
-    env = {**os.environ, "PYTHONPATH": str(tree), "CI": "true", "PYTHONDONTWRITEBYTECODE": "1"}
+    # CI's derandomised hypothesis examples without shrinking (tests/conftest.py's "mutations" profile).
+    env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "mutations", "PYTHONDONTWRITEBYTECODE": "1"}
     where = subprocess.check_output(
         [sys.executable, "-c", "import otb_ref; print(otb_ref.__file__)"], cwd=tree, env=env
     )
@@ -244,7 +246,7 @@ def collect(name: str, key: str, head: str) -> tuple[list[dict], int]:  # key: t
 
 def _record(mutation, result, head: str) -> dict:
     file = str(mutation.module_path)
-    line = _source(head, file)[mutation.start_pos[0] - 1].strip()  # the lanes' code, not the work tree's
+    line = _lines(result.diff or "", "-") or _source(head, file)[mutation.start_pos[0] - 1].strip()
     if result.worker_outcome == "skipped":
         outcome, note = "left out", result.output
     else:
@@ -332,6 +334,22 @@ def table(results: Path = RESULTS) -> str:
     return "\n".join(rows + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
 
 
+def _merge_older_sessions(name: str, stem: str, head: str) -> None:
+    """Results of the newest session of this module under other code (name-<module>-<code>.<shard>) go to the
+    results file, whence the new session takes what stays valid; then the older sessions are removed."""
+    sessions = RUNS / "sessions"
+    older = {p.name.split(".")[0] for p in sessions.glob(f"{name}-*.sqlite")} - {stem}
+    if not older:
+        return
+    newest = max(older, key=lambda s: max(p.stat().st_mtime for p in sessions.glob(f"{s}.*")))
+    if list(sessions.glob(f"{newest}.*of*.sqlite")):
+        _, module, code = newest.split("-", 2)
+        write_results(name, module, code, head)
+    for old in older:
+        for path in sessions.glob(f"{old}.*"):
+            path.unlink()
+
+
 def module_key(name: str) -> str:
     """The mutated files' contents at HEAD."""
     import hashlib
@@ -368,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.modules:
         stem = f"{name}-{keys[name]}-{key}"
         session = RUNS / "sessions" / f"{stem}.sqlite"
+        _merge_older_sessions(name, stem, head)
         old_shards = list((RUNS / "sessions").glob(f"{stem}.*of*.sqlite"))
         if old_shards and not args.fresh:  # results so far to the results file, then shard afresh from there
             write_results(name, keys[name], key, head)

@@ -167,13 +167,23 @@ def _one_mutant(pytest, test_map: dict, pristine: dict, request: dict) -> dict:
     return answer if rc != 124 else {**answer, "note": "timeout"}
 
 
+class _OneThread:
+    """One torch thread per lane (tests/conftest.py sets two; the lanes share the cores)."""
+
+    def pytest_configure(self, config):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def _pytest_in_child(pytest, tests: list[str], limit: float) -> int:
     """pytest -x on the tests in a forked child (which imports otb_ref afresh); 124 if it runs past the limit."""
     pid = os.fork()
     if pid == 0:
         sys.dont_write_bytecode = True
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        os._exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:cov", *tests])))
+        args = ["-x", "-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:cov", *tests]
+        os._exit(int(pytest.main(args, plugins=[_OneThread()])))
     start = time.monotonic()
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
