@@ -64,11 +64,13 @@ def git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.check_output(["git", *args], cwd=cwd, text=True).strip()
 
 
-def coverage_map(key: str) -> Path:
+def coverage_map(key: str, head: str) -> Path:
+    """The map of which tests run each line, from one pytest run in a clean worktree of HEAD."""
     path = RUNS / f"coverage-{key}.json"
     if not path.exists():
         print(f"coverage map of {key} (one pytest run under coverage) ...", flush=True)
-        env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
+        tree = worktree(0, head)
+        env = {**os.environ, "PYTHONPATH": str(tree), "CI": "true", "OMP_NUM_THREADS": "1"}
         command = [
             sys.executable,
             "tools/mutation_tests.py",
@@ -79,7 +81,7 @@ def coverage_map(key: str) -> Path:
             "-p",
             "no:cacheprovider",
         ]
-        subprocess.run([*command, *TEST_POOL], cwd=ROOT, env=env, check=True)
+        subprocess.run([*command, *TEST_POOL], cwd=tree, env=env, check=True)
     return path
 
 
@@ -177,14 +179,21 @@ def shard_session(session: Path, shard: int, shards: int) -> Path:
     return path
 
 
-def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.Popen]:
-    """A worktree of HEAD with a fork server; returns (worktree, socket, server)."""
+def worktree(index: int, head: str) -> Path:
+    """runs/mutation/lane<index>, a clean git worktree at ``head``."""
     tree = RUNS / f"lane{index}"
     if not tree.exists():
         git("worktree", "add", "--detach", str(tree), head)
     git("checkout", "--force", "--detach", head, cwd=tree)
+    git("clean", "-fdq", cwd=tree)
     for cache in tree.rglob("__pycache__"):
         shutil.rmtree(cache)
+    return tree
+
+
+def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """A worktree of HEAD with a fork server; returns (worktree, socket, server)."""
+    tree = worktree(index, head)
     # CI's derandomised hypothesis examples without shrinking (tests/conftest.py's "mutations" profile).
     env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "mutations", "PYTHONDONTWRITEBYTECODE": "1"}
     where = subprocess.check_output(
@@ -380,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")
     head, key = git("rev-parse", "HEAD"), code_key()
     (RUNS / "sessions").mkdir(parents=True, exist_ok=True)
-    test_map = coverage_map(key)
+    test_map = coverage_map(key, head)
     units = []
     keys = {name: module_key(name) for name in args.modules}
     for name in args.modules:

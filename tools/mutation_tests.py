@@ -63,7 +63,7 @@ def build_map(out_path: str, pytest_args: list[str]) -> int:
     index = {t: i for i, t in enumerate(tests)}
     files = {}
     for filename in data.measured_files():
-        rel = os.path.relpath(filename)
+        rel = os.path.relpath(filename)  # relative to the worktree the map was made in
         lines: dict[str, list[int]] = {}
         for line, contexts in data.contexts_by_lineno(filename).items():
             ids = {_nodeid(c) for c in contexts if c}
