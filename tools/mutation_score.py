@@ -1,7 +1,7 @@
 """Mutation score of the formula modules from a standard tool, cosmic-ray (issue 29; not part of CI).
 
     python tools/mutation_score.py [--modules advantages proxy ...] [--lanes 2] [--commit]
-    python tools/mutation_score.py --table      # print the docs table from the committed results
+    python tools/mutation_score.py --table      # docs/mutations.md's table from the committed results
 
 cosmic-ray (`pip install -e ".[mutation]"`) chooses the mutants: its operators on every operator, comparison,
 number, boolean, loop, decorator and exception handler of each module. Left out, with the reason:
@@ -340,7 +340,21 @@ def table(results: Path = RESULTS) -> str:
         rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score:.1f} |")
         if header["pending"]:
             notes.append(f"`{name}`: {header['pending']} mutants not run yet")
-    return "\n".join(rows + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
+    headers = [h for h, _ in load_results(results).values()]
+    tools, dates, machines = ({h[k] for h in headers} for k in ("tool", "date", "machine"))
+    made = (
+        f"Tool: {', '.join(sorted(tools))}; runs of {', '.join(sorted(dates))} on {', '.join(sorted(machines))}; "
+        "command `python tools/mutation_score.py`."
+    )
+    return "\n".join([made, "", *rows] + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
+
+
+def write_docs(docs: Path = ROOT / "docs" / "mutations.md") -> None:
+    """Put :func:`table` between the markers of docs/mutations.md."""
+    text = docs.read_text()
+    start, end = "<!-- mutation-table -->\n", "<!-- /mutation-table -->"
+    head, rest = text.split(start)
+    docs.write_text(head + start + table() + "\n" + end + rest.split(end, 1)[1])
 
 
 def _merge_older_sessions(name: str, stem: str, head: str) -> None:
@@ -380,9 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=2, help="worktrees mutated in parallel (one core each)")
     parser.add_argument("--commit", action="store_true", help="git commit each module's results as they change")
     parser.add_argument("--fresh", action="store_true", help="run every mutant again (no results kept)")
-    parser.add_argument("--table", action="store_true", help="only print the table from the committed results")
+    parser.add_argument("--table", action="store_true", help="only the table: from the results into docs/mutations.md")
     args = parser.parse_args(argv)
     if args.table:
+        write_docs()
         print(table())
         return 0
     if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):

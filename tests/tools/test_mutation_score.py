@@ -99,7 +99,7 @@ def test_annotation_spans_cover_every_annotation(tmp_path):
 
 
 def _results(tmp_path, records, equivalent=()):
-    header = {"module": "proxy", "tool": "cosmic-ray 8.7.0", "pending": 0}
+    header = {"module": "proxy", "tool": "cosmic-ray 8.7.0", "pending": 0, "date": "2026-11-25", "machine": "m"}
     (tmp_path / "proxy.jsonl").write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
     (tmp_path / "equivalent.json").write_text(json.dumps(list(equivalent)))
     return tmp_path
@@ -113,7 +113,7 @@ def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
     records = [_record("killed", "k")] * 6 + [_record("survived", "s1"), _record("survived", "s2")]
     records += [_record("left out", "x")]
     same = {**_record("survived", "s1"), "reason": "why"}
-    (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "proxy" in line]
+    (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
     assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 1 | 85.7 |"
 
 
