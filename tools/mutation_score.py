@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         t.start()
     while any(t.is_alive() for t in threads):  # every 10 minutes, the results so far (a session may end any time)
         for t in threads:
-            t.join(timeout=600 / len(threads))
+            t.join(timeout=600)
         with lock:
             for name in args.modules:
                 if list((RUNS / "sessions").glob(f"{name}-{keys[name]}-{key}.*of*.sqlite")):
