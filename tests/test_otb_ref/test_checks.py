@@ -90,3 +90,42 @@ def test_range_bounds_are_inclusive_unless_said_otherwise():
 def test_scalars_that_are_not_numbers_are_named(check, value):
     with pytest.raises(ValueError, match="^epsilon: expected a"):
         check("epsilon", value)
+
+
+@pytest.mark.parametrize(
+    "index, problem",
+    [
+        (torch.tensor(3), "expected a 1-D tensor"),
+        (torch.tensor([[1, 2, 3]]), "expected a 1-D tensor"),
+        (torch.tensor([1, 2, 3, 4]), "length 4 != batch size 3"),
+        (np.array(3), "expected a 1-D array"),
+    ],
+)
+def test_group_ids_refuse_wrong_shapes(index, problem):
+    with pytest.raises(ValueError, match=f"^index: {problem}"):
+        _checks.group_ids(index, 3, torch.device("cpu"))
+
+
+def test_group_ids_of_a_long_numpy_index_equal_to_the_batch():
+    group, num_groups = _checks.group_ids(np.arange(300) % 150, 300, torch.device("cpu"))
+    assert num_groups == 150 and bool((group[:150] == group[150:]).all())
+
+
+def test_binary_mask_refuses_negative_entries():
+    with pytest.raises(ValueError, match=r"^mask: must contain only 0 and 1, found -1\.0"):
+        _checks.binary_mask("mask", torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_exclusive_lower_bound_refuses_the_bound_and_below_and_accepts_above():
+    values = torch.tensor([0.5, 1.0])
+    _checks.require_in_range("eps", values, 0.0, 1.0, low_inclusive=False)
+    for bad in (0.0, -0.5):
+        with pytest.raises(ValueError, match=rf"^eps: value {bad} at index \(1,\) is outside \(0\.0, 1\.0\]"):
+            _checks.require_in_range("eps", torch.tensor([0.5, bad]), 0.0, 1.0, low_inclusive=False)
+
+
+def test_lm_batch_masks_accept_an_empty_sequence():
+    """L = 0: no column 0 to check; both masks come back as empty bool tensors."""
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    mask, attention = _checks.lm_batch_masks(ids, torch.zeros(2, 0), torch.ones(2, 0))
+    assert mask.shape == attention.shape == (2, 0) and mask.dtype == attention.dtype == torch.bool
