@@ -279,3 +279,38 @@ def test_auto_uses_the_compiled_kernels_only_on_cuda(monkeypatch):
     assert proxy._use_fused("fused", torch.zeros(1, 2))
     monkeypatch.setattr(proxy, "has_triton", lambda: False)
     assert not proxy._use_fused("auto", torch.zeros(1, 2))
+
+
+def _lm_head(hidden_shape=(3, 4), vocab=5, targets=None):
+    hidden, weight = torch.randn(*hidden_shape), torch.randn(vocab, hidden_shape[-1] if hidden_shape else 4)
+    if targets is None:
+        targets = torch.zeros(hidden_shape[:-1], dtype=torch.long)
+    return dict(hidden=hidden, weight=weight, targets=targets)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(weight=torch.randn(5)), "weight"),
+        (dict(weight=torch.randn(5, 4, 1)), "weight"),
+        (dict(hidden=torch.tensor(1.0), targets=torch.tensor(0)), "hidden"),
+        (dict(hidden=torch.randn(3, 6)), "hidden"),
+        (dict(hidden=torch.randn(3, 2)), "hidden"),
+        (dict(targets=torch.zeros(2, dtype=torch.long)), "targets"),
+        (dict(targets=torch.zeros(4, dtype=torch.long)), "targets"),
+        (dict(targets=torch.tensor([0, -1, 0])), "targets"),
+        (dict(targets=torch.tensor([0, 5, 0])), "targets"),
+        (dict(targets=torch.tensor([0, 9, 0])), "targets"),
+    ],
+)
+def test_lm_head_input_rules(change, name):
+    """weight [V, d]; hidden [..., d] with at least one dim; targets of hidden's leading shape, ids in [0, V)."""
+    with pytest.raises(ValueError, match=f"^{name}"):
+        logprobs_and_sum_pi_squared(**{**_lm_head(), **change})
+
+
+def test_lm_head_accepts_one_position_and_the_edge_ids():
+    """A single hidden vector [d] with a 0-D target, and the ids 0 and V − 1, are valid."""
+    log_probs, spp = logprobs_and_sum_pi_squared(**_lm_head(hidden_shape=(4,), targets=torch.tensor(4)))
+    assert log_probs.shape == spp.shape == ()
+    logprobs_and_sum_pi_squared(**_lm_head(targets=torch.tensor([0, 4, 0])))
