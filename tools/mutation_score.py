@@ -393,12 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modules", nargs="+", choices=sorted(MODULES), default=list(MODULES))
     parser.add_argument("--lanes", type=int, default=2, help="worktrees mutated in parallel (one core each)")
     parser.add_argument("--commit", action="store_true", help="git commit each module's results as they change")
+    parser.add_argument("--collect", action="store_true", help="no runs: the sessions' results into results/")
     parser.add_argument("--fresh", action="store_true", help="run every mutant again (no results kept)")
     parser.add_argument("--table", action="store_true", help="only the table: from the results into docs/mutations.md")
     args = parser.parse_args(argv)
     if args.table:
         write_docs()
         print(table())
+        return 0
+    if args.collect:  # the sessions' results so far into the results files (after a run was stopped)
+        head, key = git("rev-parse", "HEAD"), code_key()
+        for name in args.modules:
+            if list((RUNS / "sessions").glob(f"{name}-{module_key(name)}-{key}.*of*.sqlite")):
+                print(name, write_results(name, module_key(name), key, head), "pending")
         return 0
     if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):
         raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")
