@@ -402,10 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         print(table())
         return 0
     if args.collect:  # the sessions' results so far into the results files (after a run was stopped)
-        head, key = git("rev-parse", "HEAD"), code_key()
+        head = git("rev-parse", "HEAD")
         for name in args.modules:
-            if list((RUNS / "sessions").glob(f"{name}-{module_key(name)}-{key}.*of*.sqlite")):
-                print(name, write_results(name, module_key(name), key, head), "pending")
+            shards = sorted((RUNS / "sessions").glob(f"{name}-{module_key(name)}-*.*of*.sqlite"), key=os.path.getmtime)
+            if shards:
+                _, module, code = shards[-1].name.split(".")[0].split("-", 2)
+                print(name, write_results(name, module, code, head), "pending")
         return 0
     if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):
         raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")
