@@ -116,3 +116,10 @@ def test_verl_compatible_function_validates_too():
             good["old_log_probs"],
             torch.full((B, T), 2.0),
         )
+
+
+@pytest.mark.parametrize("shape", [(B,), (B, T, 1)])
+def test_rewards_must_be_batch_by_tokens(shape):
+    good = _good()
+    with pytest.raises(ValueError, match=r"^token_level_rewards: expected shape \[B, T\]"):
+        compute_advantages("otb", torch.zeros(shape), good["response_mask"], good["index"])
