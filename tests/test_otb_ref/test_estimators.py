@@ -30,3 +30,24 @@ def test_population_cells_name_each_cell_once_by_its_first_estimator_with_flags_
         )
         assert name == first
         assert cell == Estimator(cell.granularity, cell.energy)
+
+
+def test_an_estimator_built_from_runtime_strings_is_the_tables():
+    """Cells compare by value: an Estimator whose strings were built at run time (e.g. read from a config file, so
+    not the same string objects as the table's) computes what the named estimator computes."""
+    import torch
+
+    from otb_ref import compute_advantages
+
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2)
+    energies = torch.tensor([[0.5, 1.5], [1.0, 1.2], [0.2, 0.9]], dtype=torch.float64)
+    cases = [
+        ("".join(["to", "ken"]), "otb_exact", dict(cumulative_energy=energies)),
+        ("".join(["se", "quence"]), "eob", dict(grad_norms_sq=energies[:, -1])),
+    ]
+    for granularity, name, inputs in cases:
+        spec = Estimator(granularity, "".join(["ex", "act"]))
+        built, _ = compute_advantages(spec, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
+        named, _ = compute_advantages(name, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
+        torch.testing.assert_close(built, named, rtol=0, atol=0, msg=name)
