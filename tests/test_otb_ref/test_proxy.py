@@ -231,8 +231,9 @@ def test_token_energy_absolute_error_near_deterministic_tokens(dtype):
 
 
 def test_f6_token_energy_rejects_shape_mismatch_and_clamps():
-    with pytest.raises(ValueError, match="sum_pi_squared"):
-        token_energy(torch.zeros(2, 3), torch.zeros(3, 2))
+    for shapes in [((2, 3), (3, 2)), ((3, 4), (3, 2)), ((3,), (3, 1)), ((3, 1), (3,))]:  # no broadcasting either
+        with pytest.raises(ValueError, match="sum_pi_squared"):
+            token_energy(torch.zeros(shapes[0]), torch.zeros(shapes[1]))
     # Inconsistent inputs (Σπ² below π_y²) are clamped into [0, 2].
     assert float(token_energy(torch.tensor([0.0]), torch.tensor([0.5]))) == 0.0
 
