@@ -336,8 +336,8 @@ def table(results: Path = RESULTS) -> str:
         killed = sum(r["outcome"] == "killed" for r in tested)
         same = sum(r["outcome"] == "survived" and equivalent_key(r) in equivalent for r in tested)
         survived = len(tested) - killed - same
-        score = 100.0 * killed / (len(tested) - same) if len(tested) > same else float("nan")
-        rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score:.1f} |")
+        score = f"{100.0 * killed / (len(tested) - same):.1f}" if len(tested) > same else "—"
+        rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score} |")
         if header["pending"]:
             notes.append(f"`{name}`: {header['pending']} mutants not run yet")
     headers = [h for h, _ in load_results(results).values()]
