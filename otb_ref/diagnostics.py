@@ -58,7 +58,8 @@ def variance_proxy_metrics(
         "variance_proxy/proxy3_pure_noise": max(0, (P − S)/(B − 1)),
         "variance_proxy/expected_a_squared": mean_i a_i²,
         "variance_proxy/expected_w": mean_i v_i}``; signal and noise are 0
-        when ``grad_norm`` is not given, noise is 0 for ``B = 1``.
+        when ``grad_norm`` is not given, noise is 0 for ``B = 1``; an empty batch (``B = 0``) gives 0 for
+        every mean.
     """
     _checks.require_tensor("advantages", advantages)
     if advantages.dim() != 2:

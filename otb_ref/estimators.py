@@ -29,7 +29,8 @@ ENERGIES = ("uniform", "length", "proxy", "exact")
 
 @dataclass(frozen=True)
 class Estimator:
-    """One cell of the estimator table (THEORY §3) with its flags."""
+    """One cell of the estimator table (THEORY §3) with its flags. Frozen: the one table serves compute_advantages,
+    the integrations and the exact module, so no caller can change a cell (:func:`resolve_estimator` copies)."""
 
     granularity: str
     energy: str

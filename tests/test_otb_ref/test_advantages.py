@@ -237,6 +237,25 @@ def test_estimator_spec_object_is_accepted():
     torch.testing.assert_close(adv, expected, **TOL)
 
 
+def test_named_sequence_estimators_are_their_textbook_forms():
+    """With its own flags each named sequence estimator is the one of the literature (THEORY §3's table), worked
+    by hand on one outcome-reward group, independently of the table: GRPO (R − mean) / (unbiased std + ε), RLOO
+    R − the others' mean, OPO R − the length-weighted mean (ε = 0, so no ε share)."""
+    R = torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
+    lengths = torch.tensor([1, 3, 2, 4])
+    mask = (torch.arange(4) < lengths[:, None]).double()
+    rewards = torch.zeros(4, 4, dtype=torch.float64)
+    rewards[torch.arange(4), lengths - 1] = R
+    expected = {
+        "grpo": (R - R.mean()) / R.std(),
+        "rloo": R - (R.sum() - R) / 3,
+        "opo": R - (lengths * R).sum() / lengths.sum(),
+    }
+    for name, want in expected.items():
+        adv, _ = compute_advantages(name, rewards, mask, [0, 0, 0, 0], epsilon=0.0)
+        torch.testing.assert_close(adv, want[:, None] * mask, **TOL, msg=name)
+
+
 def test_empty_batch_and_zero_length():
     """B = 0 and T = 0 are legal and give empty outputs."""
     for shape in [(0, 4), (3, 0)]:

@@ -231,7 +231,87 @@ def test_token_energy_absolute_error_near_deterministic_tokens(dtype):
 
 
 def test_f6_token_energy_rejects_shape_mismatch_and_clamps():
-    with pytest.raises(ValueError, match="sum_pi_squared"):
-        token_energy(torch.zeros(2, 3), torch.zeros(3, 2))
+    for shapes in [((2, 3), (3, 2)), ((3, 4), (3, 2)), ((3,), (3, 1)), ((3, 1), (3,))]:  # no broadcasting either
+        with pytest.raises(ValueError, match="sum_pi_squared"):
+            token_energy(torch.zeros(shapes[0]), torch.zeros(shapes[1]))
     # Inconsistent inputs (Σπ² below π_y²) are clamped into [0, 2].
     assert float(token_energy(torch.tensor([0.0]), torch.tensor([0.5]))) == 0.0
+
+
+def test_sum_pi_squared_reduces_the_last_dim_of_any_batch_shape():
+    """[B, T, V] logits: each [b, t] is its own distribution over the last dim (not over T or B)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64) * 3
+    got = sum_pi_squared(logits)
+    assert got.shape == (2, 3)
+    want = torch.stack(
+        [torch.stack([torch.softmax(logits[b, t], -1).square().sum() for t in range(3)]) for b in range(2)]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5)])
+def test_sum_pi_squared_of_no_rows_is_empty(shape):
+    assert sum_pi_squared(torch.zeros(shape)).shape == shape[:-1]
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0), ()])
+def test_sum_pi_squared_needs_a_vocabulary(shape):
+    with pytest.raises(ValueError, match="^logits: needs a non-empty last"):
+        sum_pi_squared(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("chunk_size", [True, 2.0, "2", -1])
+def test_chunk_size_must_be_a_positive_int(chunk_size):
+    with pytest.raises(ValueError, match="^chunk_size: expected a positive integer"):
+        logprobs_and_sum_pi_squared(
+            torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), chunk_size=chunk_size
+        )
+
+
+def test_auto_uses_the_compiled_kernels_only_on_cuda(monkeypatch):
+    """implementation="auto" picks the fused (Triton) path on CUDA only, even where Triton is importable."""
+    from otb_ref import proxy
+
+    monkeypatch.setattr(proxy, "has_triton", lambda: True)
+    assert not proxy._use_fused("auto", torch.zeros(1, 2))
+    assert not proxy._use_fused("auto", torch.zeros(1, 2, device="meta"))
+    assert not proxy._use_fused("fused", torch.zeros(1, 2, dtype=torch.float64))  # fp64: always eager
+    assert proxy._use_fused("fused", torch.zeros(1, 2))
+    monkeypatch.setattr(proxy, "has_triton", lambda: False)
+    assert not proxy._use_fused("auto", torch.zeros(1, 2))
+
+
+def _lm_head(hidden_shape=(3, 4), vocab=5, targets=None):
+    hidden, weight = torch.randn(*hidden_shape), torch.randn(vocab, hidden_shape[-1] if hidden_shape else 4)
+    if targets is None:
+        targets = torch.zeros(hidden_shape[:-1], dtype=torch.long)
+    return dict(hidden=hidden, weight=weight, targets=targets)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(weight=torch.randn(5)), "weight"),
+        (dict(weight=torch.randn(5, 4, 1)), "weight"),
+        (dict(hidden=torch.tensor(1.0), targets=torch.tensor(0)), "hidden"),
+        (dict(hidden=torch.randn(3, 6)), "hidden"),
+        (dict(hidden=torch.randn(3, 2)), "hidden"),
+        (dict(targets=torch.zeros(2, dtype=torch.long)), "targets"),
+        (dict(targets=torch.zeros(4, dtype=torch.long)), "targets"),
+        (dict(targets=torch.tensor([0, -1, 0])), "targets"),
+        (dict(targets=torch.tensor([0, 5, 0])), "targets"),
+        (dict(targets=torch.tensor([0, 9, 0])), "targets"),
+    ],
+)
+def test_lm_head_input_rules(change, name):
+    """weight [V, d]; hidden [..., d] with at least one dim; targets of hidden's leading shape, ids in [0, V)."""
+    with pytest.raises(ValueError, match=f"^{name}"):
+        logprobs_and_sum_pi_squared(**{**_lm_head(), **change})
+
+
+def test_lm_head_accepts_one_position_and_the_edge_ids():
+    """A single hidden vector [d] with a 0-D target, and the ids 0 and V − 1, are valid."""
+    log_probs, spp = logprobs_and_sum_pi_squared(**_lm_head(hidden_shape=(4,), targets=torch.tensor(4)))
+    assert log_probs.shape == spp.shape == ()
+    logprobs_and_sum_pi_squared(**_lm_head(targets=torch.tensor([0, 4, 0])))

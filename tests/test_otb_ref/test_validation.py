@@ -116,3 +116,34 @@ def test_verl_compatible_function_validates_too():
             good["old_log_probs"],
             torch.full((B, T), 2.0),
         )
+
+
+@pytest.mark.parametrize("shape", [(B,), (B, T, 1)])
+def test_rewards_must_be_batch_by_tokens(shape):
+    good = _good()
+    with pytest.raises(ValueError, match=r"^token_level_rewards: expected shape \[B, T\]"):
+        compute_advantages("otb", torch.zeros(shape), good["response_mask"], good["index"])
+
+
+@pytest.mark.parametrize("name", ["sum_pi_squared", "rollout_is_weights", "cumulative_energy"])
+def test_a_later_input_is_checked_when_an_earlier_one_is_absent(name):
+    """Each given token input is validated whatever the others are (here old_log_probs is not given)."""
+    good = _good()
+    with pytest.raises(ValueError, match=f"^{name}: shape"):
+        compute_advantages(
+            "grpo", good["token_level_rewards"], good["response_mask"], good["index"], **{name: torch.zeros(B, T + 1)}
+        )
+
+
+def test_verl_style_otb_functions_handle_the_zero_tail_by_default():
+    """PORTING.md's defaults per entry point: the verl-interface OTB functions zero the tail unless told not to."""
+    from otb_ref import compute_multi_turn_optimal_token_baseline_advantage
+
+    good = _good()
+    args = [good[k] for k in ("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared")]
+    for function in (compute_optimal_token_baseline_advantage, compute_multi_turn_optimal_token_baseline_advantage):
+        default, _ = function(*args)
+        with_tail, _ = function(*args, handle_zero_tail=True)
+        without, _ = function(*args, handle_zero_tail=False)
+        torch.testing.assert_close(default, with_tail, rtol=0, atol=0)
+        assert not torch.equal(default, without), "the batch must have a zero tail for this test to mean anything"

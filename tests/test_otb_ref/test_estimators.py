@@ -1,0 +1,53 @@
+"""otb_ref/estimators.py: the one estimator table, its resolution, and the population cells (THEORY §3)."""
+
+import dataclasses
+
+import pytest
+
+from otb_ref.estimators import ESTIMATORS, Estimator, population_cells, resolve_estimator
+
+
+def test_table_cells_are_frozen_and_resolution_copies():
+    """A cell cannot be changed in place; flags given to resolve_estimator give a copy and leave the table as is."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ESTIMATORS["otb"].leave_one_out = True
+    resolved = resolve_estimator("otb", leave_one_out=True, std_normalize=True)
+    assert (resolved.leave_one_out, resolved.std_normalize) == (True, True)
+    assert (ESTIMATORS["otb"].leave_one_out, ESTIMATORS["otb"].std_normalize) == (False, False)
+
+
+def test_population_cells_name_each_cell_once_by_its_first_estimator_with_flags_off():
+    """Each (granularity, energy) cell of the table appears once, under the first name in ESTIMATORS that has it,
+    with leave_one_out and std_normalize off (population baselines have neither)."""
+    cells = population_cells()
+    table_cells = {(e.granularity, e.energy) for e in ESTIMATORS.values()}
+    assert {(c.granularity, c.energy) for c in cells.values()} == table_cells
+    assert len(cells) == len(table_cells)
+    names = list(ESTIMATORS)
+    for name, cell in cells.items():
+        first = next(
+            n for n in names if (ESTIMATORS[n].granularity, ESTIMATORS[n].energy) == (cell.granularity, cell.energy)
+        )
+        assert name == first
+        assert cell == Estimator(cell.granularity, cell.energy)
+
+
+def test_an_estimator_built_from_runtime_strings_is_the_tables():
+    """Cells compare by value: an Estimator whose strings were built at run time (e.g. read from a config file, so
+    not the same string objects as the table's) computes what the named estimator computes."""
+    import torch
+
+    from otb_ref import compute_advantages
+
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2)
+    energies = torch.tensor([[0.5, 1.5], [1.0, 1.2], [0.2, 0.9]], dtype=torch.float64)
+    cases = [
+        ("".join(["to", "ken"]), "otb_exact", dict(cumulative_energy=energies)),
+        ("".join(["se", "quence"]), "eob", dict(grad_norms_sq=energies[:, -1])),
+    ]
+    for granularity, name, inputs in cases:
+        spec = Estimator(granularity, "".join(["ex", "act"]))
+        built, _ = compute_advantages(spec, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
+        named, _ = compute_advantages(name, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
+        torch.testing.assert_close(built, named, rtol=0, atol=0, msg=name)

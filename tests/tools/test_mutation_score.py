@@ -1,0 +1,148 @@
+"""tools/mutation_score.py and tools/mutation_tests.py: the docs table is the committed results' table, and the
+rules that pick each mutant's tests hold on small sources (issue 29)."""
+
+import ast
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    sys.modules.pop(name, None)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # mutation_score imports mutation_tests by name
+    spec.loader.exec_module(module)
+    return module
+
+
+select = _load("mutation_tests")
+score = _load("mutation_score")
+
+SOURCE = '''\
+import functools
+
+LIMIT = 3
+
+
+@functools.lru_cache(maxsize=2)
+def f(x: int, y=LIMIT + 1) -> int:
+    """Doc."""
+    if x > 0:
+        x = x + 1
+    return g(
+        x,
+        y * 2,
+    )
+
+
+class C:
+    size = 4
+
+    def method(self):
+        return self.size - 1
+'''
+
+
+@pytest.mark.parametrize(
+    "line, span",
+    [
+        (3, None),  # module level: runs at import
+        (6, None),  # a decorator
+        (7, None),  # a default value in the signature
+        (9, (9, 10)),  # an if's condition: the whole if
+        (10, (10, 10)),  # a statement in a body
+        (13, (11, 14)),  # one line of a multi-line statement
+        (18, None),  # class level
+        (21, (21, 21)),  # a method's body
+    ],
+)
+def test_statement_span_runs_import_time_code_with_every_test(line, span):
+    assert select.statement_span(ast.parse(SOURCE), line, line) == span
+
+
+def test_changed_lines_finds_the_mutated_line():
+    mutated = SOURCE.replace("x = x + 1", "x = x - 1")
+    assert select.changed_lines(SOURCE, mutated) == (10, 10)
+    with pytest.raises(ValueError, match="unchanged"):
+        select.changed_lines(SOURCE, SOURCE)
+
+
+def test_select_runs_the_tests_that_execute_the_statement_fastest_first():
+    test_map = {
+        "tests": ["t::a", "t::b", "t::c"],
+        "durations": [3.0, 1.0, 2.0],
+        "files": {"m.py": {"3": [0, 1, 2], "10": [0, 1], "21": [2]}},
+    }
+    body = SOURCE.replace("x = x + 1", "x = x * 1")
+    assert select.select(test_map, "m.py", SOURCE, body) == ["t::b", "t::a"]
+    header = SOURCE.replace("y=LIMIT + 1", "y=LIMIT - 1")
+    assert select.select(test_map, "m.py", SOURCE, header) == ["t::b", "t::c", "t::a"]
+    uncovered = SOURCE.replace("return g(", "return h(")
+    assert select.select(test_map, "m.py", SOURCE, uncovered) == []
+
+
+def test_annotation_spans_cover_every_annotation(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE + "\nz: float | None = None\n")
+    texts = set()
+    lines = path.read_text().splitlines()
+    for (row, col), (end_row, end_col) in score.annotation_spans(path):
+        assert row == end_row
+        texts.add(lines[row - 1][col:end_col])
+    assert texts == {"int", "float | None"}
+
+
+def _results(tmp_path, records, equivalent=()):
+    header = {"module": "proxy", "tool": "cosmic-ray 8.7.0", "pending": 0, "date": "2026-11-25", "machine": "m"}
+    (tmp_path / "proxy.jsonl").write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    (tmp_path / "equivalent.json").write_text(json.dumps(list(equivalent)))
+    return tmp_path
+
+
+def _record(outcome, mutated):
+    return {"file": "otb_ref/proxy.py", "operator": "op", "original": "a = b", "mutated": mutated, "outcome": outcome}
+
+
+def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
+    records = [_record("killed", "k")] * 6 + [_record("survived", "s1"), _record("survived", "s2")]
+    records += [_record("left out", "x")]
+    same = {**_record("survived", "s1"), "reason": "why"}
+    (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
+    assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 1 | 85.7 |"
+
+
+def test_docs_show_the_committed_results_table():
+    if not score.load_results():
+        pytest.skip("no results/mutation_score yet")
+    assert score.table() in (ROOT / "docs" / "mutations.md").read_text()
+
+
+def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
+    path = score.EQUIVALENT
+    if not path.exists():
+        pytest.skip("no equivalent mutants listed")
+    survivors = {
+        score.equivalent_key(r)
+        for _, records in score.load_results().values()
+        for r in records
+        if r["outcome"] == "survived"
+    }
+    for entry in json.loads(path.read_text()):
+        assert entry["reason"].strip(), entry
+        assert score.equivalent_key(entry) in survivors, f"stale entry (no such survivor): {entry}"
+
+
+def test_a_statement_run_at_import_runs_every_test_of_the_module():
+    test_map = {
+        "tests": ["t::a", "t::b", "t::c"],
+        "durations": [3.0, 1.0, 2.0],
+        "files": {"m.py": {"3": [-1, 0], "10": [select.IMPORT], "21": [2]}},
+    }
+    body = SOURCE.replace("x = x + 1", "x = x * 1")
+    assert select.select(test_map, "m.py", SOURCE, body) == ["t::c", "t::a"]

@@ -1,0 +1,476 @@
+"""Mutation score of the formula modules from a standard tool, cosmic-ray (issue 29; not part of CI).
+
+    python tools/mutation_score.py [--modules advantages proxy ...] [--lanes 2] [--commit]
+    python tools/mutation_score.py --table      # docs/mutations.md's table from the committed results
+
+cosmic-ray (`pip install -e ".[mutation]"`) chooses the mutants: its operators on every operator, comparison,
+number, boolean, loop, decorator and exception handler of each module. Left out, with the reason:
+
+* replacements *to* a bitwise or shift operator (`a + b` → `a | b`, `a << b`): the modules apply them to floats and
+  tensors of floats, where they have no meaning (they raise TypeError); replacements *from* `&`, `|` and `~` (used on
+  masks) stay;
+* mutations inside type annotations (never evaluated: `from __future__ import annotations`);
+* `otb_ref/exact/__main__.py`, the table printer (its output is checked by tests/test_otb_ref/exact/test_table.py).
+
+Each mutant runs only the tests that execute the mutated statement (tools/mutation_tests.py: a coverage map of the
+unmutated tree, one context per test; import-time code runs every test of the module), `-x`, fastest first, with
+CI's derandomised hypothesis examples without shrinking (profile `mutations`). Mutants run in `--lanes` git
+worktrees of HEAD under runs/mutation/, each with a fork server that has torch imported once. Resumable:
+cosmic-ray's session files (runs/mutation/sessions/) keep every result, and the results file seeds a new session
+(kills kept while the module is unchanged, survivors while the library and tests are). Each module's per-mutant
+results go to results/mutation_score/<module>.jsonl; mutants shown equivalent are listed, with the reason, in
+results/mutation_score/equivalent.json; `--table` builds docs/mutations.md's table from both
+(tests/tools/test_mutation_score.py checks that the docs show it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mutation_tests
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "runs" / "mutation"
+RESULTS = ROOT / "results" / "mutation_score"
+EQUIVALENT = RESULTS / "equivalent.json"
+CR = str(Path(sys.executable).parent / "cosmic-ray")
+# module name -> (path cosmic-ray mutates, files it leaves out)
+MODULES = {
+    "advantages": ("otb_ref/advantages.py", ()),
+    "readable": ("otb_ref/readable.py", ()),
+    "estimators": ("otb_ref/estimators.py", ()),
+    "proxy": ("otb_ref/proxy.py", ()),
+    "_checks": ("otb_ref/_checks.py", ()),
+    "diagnostics": ("otb_ref/diagnostics.py", ()),
+    "grad_norms": ("otb_ref/grad_norms.py", ()),
+    "exact": ("otb_ref/exact", ("otb_ref/exact/__main__.py",)),
+}
+# The tests whose coverage decides what each mutant runs (multi-process FSDP tests and the benchmark commands
+# start subprocesses, which coverage does not follow; tools/mutations.py leaves them out for the same reason).
+TEST_POOL = ["tests/test_otb_ref", "tests/test_conformance.py", "-k", "not fsdp and not benchmark_command"]
+NO_MEANING = r"core/ReplaceBinaryOperator_\w+_(BitOr|BitAnd|BitXor|LShift|RShift)$"
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.check_output(["git", *args], cwd=cwd, text=True).strip()
+
+
+def coverage_map(key: str, head: str) -> Path:
+    """The map of which tests run each line, from one pytest run in a clean worktree of HEAD."""
+    path = RUNS / f"coverage-{key}.json"
+    if not path.exists():
+        print(f"coverage map of {key} (one pytest run under coverage) ...", flush=True)
+        tree = worktree(0, head)
+        env = {**os.environ, "PYTHONPATH": str(tree), "CI": "true", "OMP_NUM_THREADS": "1"}
+        command = [
+            sys.executable,
+            "tools/mutation_tests.py",
+            "coverage",
+            str(path),
+            "--",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ]
+        subprocess.run([*command, *TEST_POOL], cwd=tree, env=env, check=True)
+    return path
+
+
+def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions, lines 1-based, of every type annotation in a file."""
+    spans = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        found = []
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            found.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            found.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+        spans += [((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)) for a in found]
+    return spans
+
+
+def init_session(name: str, session: Path, module: str, key: str, resume: bool = True) -> None:
+    """cosmic-ray init, then mark the mutants left out (see the module docstring) as skipped, with the reason."""
+    import re
+
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    path, excluded = MODULES[name]
+    config = session.with_suffix(".toml")
+    config.write_text(_config(path, excluded, "true"))
+    subprocess.run([CR, "init", str(config), str(session)], cwd=ROOT, check=True)
+    spans = {}
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            (mutation,) = item.mutations
+            file = str(mutation.module_path)
+            spans.setdefault(file, annotation_spans(ROOT / file))
+            reason = None
+            if re.match(NO_MEANING, mutation.operator_name):
+                reason = "left out: to a bitwise or shift operator"
+            elif any(a <= tuple(mutation.start_pos) and tuple(mutation.end_pos) <= b for a, b in spans[file]):
+                reason = "left out: in a type annotation"
+            if reason:
+                db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+        if resume:
+            _resume_from_results(db, name, module, key)
+
+
+def _resume_from_results(db, name: str, module: str, key: str) -> None:
+    """Results already in the results file are not run again: a kill while the module's code is unchanged (tests
+    only grow, so a mutant once killed stays killed), a survivor while the library and the tests are unchanged.
+    (`--fresh` runs every mutant.)"""
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    done = load_results().get(name)
+    if done is None or done[0].get("module_code") != module:
+        return
+    keep = ("killed", "survived") if done[0]["code"] == key else ("killed",)
+    known = {(r["file"], r["operator"], r["occurrence"]): r for r in done[1] if r["outcome"] in keep}
+    for item in list(db.pending_work_items):
+        (m,) = item.mutations
+        record = known.get((str(m.module_path), m.operator_name, m.occurrence))
+        if record is not None:
+            outcome = TestOutcome.KILLED if record["outcome"] == "killed" else TestOutcome.SURVIVED
+            result = WorkResult(
+                worker_outcome=WorkerOutcome.NORMAL,
+                test_outcome=outcome,
+                output=record["note"],
+                diff=f"-{record['original']}\n+{record['mutated']}",
+            )
+            db.set_result(item.job_id, result)
+
+
+def _config(path: str, excluded: tuple[str, ...], test_command: str) -> str:
+    return (
+        "[cosmic-ray]\n"
+        f'module-path = "{path}"\n'
+        f"excluded-modules = {json.dumps(list(excluded))}\n"
+        "timeout = 3600.0\n"
+        f'test-command = "{test_command}"\n'
+        '[cosmic-ray.distributor]\nname = "local"\n'
+    )
+
+
+def shard_session(session: Path, shard: int, shards: int) -> Path:
+    """A copy of the session in which only every shards-th pending mutant (by job id) is left to run."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    path = session.with_name(f"{session.stem}.{shard}of{shards}.sqlite")
+    if not path.exists():
+        shutil.copy(session, path)
+        with use_db(str(path), WorkDB.Mode.open) as db:
+            for item in list(db.pending_work_items):
+                if int(item.job_id, 16) % shards != shard:
+                    db.set_result(item.job_id, WorkResult(output="other shard", worker_outcome=WorkerOutcome.SKIPPED))
+    return path
+
+
+def worktree(index: int, head: str) -> Path:
+    """runs/mutation/lane<index>, a clean git worktree at ``head``."""
+    tree = RUNS / f"lane{index}"
+    if not tree.exists():
+        git("worktree", "add", "--detach", str(tree), head)
+    git("checkout", "--force", "--detach", head, cwd=tree)
+    git("clean", "-fdq", cwd=tree)
+    for cache in tree.rglob("__pycache__"):
+        shutil.rmtree(cache)
+    return tree
+
+
+def lane(index: int, head: str, test_map: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """A worktree of HEAD with a fork server; returns (worktree, socket, server)."""
+    tree = worktree(index, head)
+    # CI's derandomised hypothesis examples without shrinking (tests/conftest.py's "mutations" profile).
+    env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "mutations", "PYTHONDONTWRITEBYTECODE": "1"}
+    where = subprocess.check_output(
+        [sys.executable, "-c", "import otb_ref; print(otb_ref.__file__)"], cwd=tree, env=env
+    )
+    if not where.decode().startswith(str(tree)):
+        raise SystemExit(f"lane {index} imports otb_ref from {where.decode().strip()}, not from {tree}")
+    sock = Path(f"/tmp/otb-mutation-lane{index}.sock")
+    sock.unlink(missing_ok=True)
+    log = open(RUNS / f"lane{index}.log", "a")
+    server = subprocess.Popen(
+        [sys.executable, "tools/mutation_tests.py", "serve", str(sock), str(test_map)],
+        cwd=tree,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    for _ in range(600):
+        if sock.exists():
+            break
+        time.sleep(0.1)
+    answer = mutation_tests.ask(str(sock), {"baseline": 40})
+    if answer["status"] != 0:
+        server.kill()
+        raise SystemExit(f"lane {index}: the 40 fastest tests fail on the unmutated tree: {answer}")
+    return tree, sock, server
+
+
+def run_unit(name: str, session: Path, tree: Path, sock: Path) -> None:
+    path, excluded = MODULES[name]
+    config = session.with_suffix(".toml")
+    config.write_text(_config(path, excluded, f"{sys.executable} tools/mutation_tests.py run {sock}"))
+    subprocess.run([CR, "exec", str(config), str(session)], cwd=tree, check=True)
+
+
+def _lines(diff: str, sign: str) -> str:
+    body = [line[1:].strip() for line in diff.splitlines() if line.startswith(sign) and not line.startswith(sign * 3)]
+    return " / ".join(body)
+
+
+def collect(name: str, key: str, head: str) -> tuple[list[dict], int]:  # key: the session's
+    """Per-mutant records of a module from its sessions (shards merged) and the number still pending."""
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    owner: dict[str, dict] = {}
+    pending = 0
+    for session in sorted((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite")):
+        with use_db(str(session), WorkDB.Mode.open) as db:
+            results = dict(db.results)
+            for item in db.work_items:
+                result = results.get(item.job_id)
+                if result is None:
+                    pending += 1
+                elif result.output != "other shard":
+                    owner[item.job_id] = _record(item.mutations[0], result, head)
+    records = sorted(owner.values(), key=lambda r: (r["file"], r["line"], r["col"], r["operator"], r["occurrence"]))
+    return records, pending
+
+
+def _record(mutation, result, head: str) -> dict:
+    file = str(mutation.module_path)
+    line = _lines(result.diff or "", "-") or _source(head, file)[mutation.start_pos[0] - 1].strip()
+    if result.worker_outcome == "skipped":
+        outcome, note = "left out", result.output
+    else:
+        outcome = "killed" if result.is_killed else "survived"
+        note = (result.output or "").strip().splitlines()[-1:] or [""]
+        note = note[0]
+    return {
+        "file": file,
+        "line": mutation.start_pos[0],
+        "col": mutation.start_pos[1],
+        "operator": mutation.operator_name,
+        "occurrence": mutation.occurrence,
+        "definition": mutation.definition_name,
+        "original": line,
+        "mutated": _lines(result.diff or "", "+"),
+        "outcome": outcome,
+        "note": note,
+    }
+
+
+def _source(head: str, file: str, cache: dict = {}) -> list[str]:  # noqa: B006 (a cache on purpose)
+    if (head, file) not in cache:
+        cache[head, file] = git("show", f"{head}:{file}").splitlines()
+    return cache[head, file]
+
+
+def write_results(name: str, module: str, key: str, head: str) -> int:
+    records, pending = collect(name, f"{module}-{key}", head)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    header = {
+        "module": name,
+        "tool": f"cosmic-ray {_version('cosmic-ray')}",
+        "module_code": module,
+        "code": key,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": _machine(),
+        "pending": pending,
+        "command": "python tools/mutation_score.py",
+    }
+    lines = [json.dumps(header)] + [json.dumps(r, ensure_ascii=False) for r in records]
+    (RESULTS / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return pending
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def _machine() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def load_results(results: Path = RESULTS) -> dict[str, tuple[dict, list[dict]]]:
+    out = {}
+    for name in MODULES:
+        path = results / f"{name}.jsonl"
+        if path.exists():
+            header, *records = [json.loads(line) for line in path.read_text().splitlines()]
+            out[name] = (header, records)
+    return out
+
+
+def equivalent_key(record: dict) -> tuple[str, str, str, str]:
+    return record["file"], record["operator"], record["original"], record["mutated"]
+
+
+def table(results: Path = RESULTS) -> str:
+    """docs/mutations.md's table: | module | mutants | killed | equivalent | survived | score % |."""
+    listed = json.loads((results / "equivalent.json").read_text()) if (results / "equivalent.json").exists() else []
+    equivalent = {equivalent_key(e) for e in listed}
+    rows = ["| module | mutants | killed | equivalent | survived | score % |", "|---|---|---|---|---|---|"]
+    notes = []
+    for name, (header, records) in load_results(results).items():
+        tested = [r for r in records if r["outcome"] in ("killed", "survived")]
+        killed = sum(r["outcome"] == "killed" for r in tested)
+        same = sum(r["outcome"] == "survived" and equivalent_key(r) in equivalent for r in tested)
+        survived = len(tested) - killed - same
+        score = f"{100.0 * killed / (len(tested) - same):.1f}" if len(tested) > same else "—"
+        rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score} |")
+        if header["pending"]:
+            notes.append(f"`{name}`: {header['pending']} mutants not run yet")
+    headers = [h for h, _ in load_results(results).values()]
+    tools, dates, machines = ({h[k] for h in headers} for k in ("tool", "date", "machine"))
+    made = (
+        f"Tool: {', '.join(sorted(tools))}; runs of {', '.join(sorted(dates))} on {', '.join(sorted(machines))}; "
+        "command `python tools/mutation_score.py`."
+    )
+    return "\n".join([made, "", *rows] + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
+
+
+def write_docs(docs: Path = ROOT / "docs" / "mutations.md") -> None:
+    """Put :func:`table` between the markers of docs/mutations.md."""
+    text = docs.read_text()
+    start, end = "<!-- mutation-table -->\n", "<!-- /mutation-table -->"
+    head, rest = text.split(start)
+    docs.write_text(head + start + table() + "\n" + end + rest.split(end, 1)[1])
+
+
+def _merge_older_sessions(name: str, stem: str, head: str) -> None:
+    """Results of the newest session of this module under other code (name-<module>-<code>.<shard>) go to the
+    results file, whence the new session takes what stays valid; then the older sessions are removed."""
+    sessions = RUNS / "sessions"
+    older = {p.name.split(".")[0] for p in sessions.glob(f"{name}-*.sqlite")} - {stem}
+    if not older:
+        return
+    newest = max(older, key=lambda s: max(p.stat().st_mtime for p in sessions.glob(f"{s}.*")))
+    if list(sessions.glob(f"{newest}.*of*.sqlite")):
+        _, module, code = newest.split("-", 2)
+        write_results(name, module, code, head)
+    for old in older:
+        for path in sessions.glob(f"{old}.*"):
+            path.unlink()
+
+
+def module_key(name: str) -> str:
+    """The mutated files' contents at HEAD."""
+    import hashlib
+
+    return hashlib.sha1(git("ls-tree", "-r", "HEAD", MODULES[name][0]).encode()).hexdigest()[:10]
+
+
+def code_key() -> str:
+    """The library's and the tests' trees at HEAD (tests/tools, which tests this driver, left out)."""
+    import hashlib
+
+    tests = "\n".join(ln for ln in git("ls-tree", "-r", "HEAD", "tests").splitlines() if "\ttests/tools/" not in ln)
+    return git("rev-parse", "HEAD:otb_ref")[:10] + "-" + hashlib.sha1(tests.encode()).hexdigest()[:10]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="+", choices=sorted(MODULES), default=list(MODULES))
+    parser.add_argument("--lanes", type=int, default=2, help="worktrees mutated in parallel (one core each)")
+    parser.add_argument("--commit", action="store_true", help="git commit each module's results as they change")
+    parser.add_argument("--collect", action="store_true", help="no runs: the sessions' results into results/")
+    parser.add_argument("--fresh", action="store_true", help="run every mutant again (no results kept)")
+    parser.add_argument("--table", action="store_true", help="only the table: from the results into docs/mutations.md")
+    args = parser.parse_args(argv)
+    if args.table:
+        write_docs()
+        print(table())
+        return 0
+    if args.collect:  # the sessions' results so far into the results files (after a run was stopped)
+        head = git("rev-parse", "HEAD")
+        for name in args.modules:
+            shards = sorted((RUNS / "sessions").glob(f"{name}-{module_key(name)}-*.*of*.sqlite"), key=os.path.getmtime)
+            if shards:
+                _, module, code = shards[-1].name.split(".")[0].split("-", 2)
+                print(name, write_results(name, module, code, head), "pending")
+        return 0
+    if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):
+        raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")
+    head, key = git("rev-parse", "HEAD"), code_key()
+    (RUNS / "sessions").mkdir(parents=True, exist_ok=True)
+    test_map = coverage_map(key, head)
+    units = []
+    keys = {name: module_key(name) for name in args.modules}
+    for name in args.modules:
+        stem = f"{name}-{keys[name]}-{key}"
+        session = RUNS / "sessions" / f"{stem}.sqlite"
+        _merge_older_sessions(name, stem, head)
+        old_shards = list((RUNS / "sessions").glob(f"{stem}.*of*.sqlite"))
+        if old_shards and not args.fresh:  # results so far to the results file, then shard afresh from there
+            write_results(name, keys[name], key, head)
+        if old_shards or args.fresh:
+            for path in old_shards:
+                path.unlink()
+            session.unlink(missing_ok=True)
+        if not session.exists():
+            init_session(name, session, keys[name], key, resume=not args.fresh)
+        units += [(name, shard_session(session, shard, args.lanes)) for shard in range(args.lanes)]
+    lock = threading.Lock()
+
+    def work(index: int) -> None:
+        tree, sock, server = lane(index, head, test_map)
+        try:
+            while True:
+                with lock:
+                    if not units:
+                        return
+                    name, session = units.pop(0)
+                run_unit(name, session, tree, sock)
+                with lock:
+                    pending = write_results(name, keys[name], key, head)
+                    print(f"{name}: {session.name} done, {pending} pending", flush=True)
+                    if args.commit:
+                        _commit(name, pending)
+        finally:
+            server.kill()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(args.lanes)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # every 10 minutes, the results so far (a session may end any time)
+        for t in threads:
+            t.join(timeout=600)
+        with lock:
+            for name in args.modules:
+                if list((RUNS / "sessions").glob(f"{name}-{keys[name]}-{key}.*of*.sqlite")):
+                    pending = write_results(name, keys[name], key, head)
+                    if args.commit:
+                        _commit(name, pending)
+    print(table())
+    return 0
+
+
+def _commit(name: str, pending: int) -> None:
+    path = RESULTS / f"{name}.jsonl"
+    subprocess.run(["git", "add", str(path)], cwd=ROOT, check=True)
+    message = f"results/mutation_score: {name} ({pending} pending), python tools/mutation_score.py"
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(path)], cwd=ROOT, check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
