@@ -260,8 +260,8 @@ def _record(mutation, result, head: str) -> dict:
         outcome, note = "left out", result.output
     else:
         outcome = "killed" if result.is_killed else "survived"
-        note = (result.output or "").strip().splitlines()[-1:] or [""]
-        note = note[0]
+        output = (result.output or "").strip().splitlines()
+        note = output[-1] if output else ""  # the test command's answer
     return {
         "file": file,
         "line": mutation.start_pos[0],
@@ -331,7 +331,8 @@ def table(results: Path = RESULTS) -> str:
     equivalent = {equivalent_key(e) for e in listed}
     rows = ["| module | mutants | killed | equivalent | survived | score % |", "|---|---|---|---|---|---|"]
     notes = []
-    for name, (header, records) in load_results(results).items():
+    done = load_results(results)
+    for name, (header, records) in done.items():
         tested = [r for r in records if r["outcome"] in ("killed", "survived")]
         killed = sum(r["outcome"] == "killed" for r in tested)
         same = sum(r["outcome"] == "survived" and equivalent_key(r) in equivalent for r in tested)
@@ -340,7 +341,7 @@ def table(results: Path = RESULTS) -> str:
         rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score} |")
         if header["pending"]:
             notes.append(f"`{name}`: {header['pending']} mutants not run yet")
-    headers = [h for h, _ in load_results(results).values()]
+    headers = [h for h, _ in done.values()]
     tools, dates, machines = ({h[k] for h in headers} for k in ("tool", "date", "machine"))
     made = (
         f"Tool: {', '.join(sorted(tools))}; runs of {', '.join(sorted(dates))} on {', '.join(sorted(machines))}; "

@@ -128,6 +128,7 @@ def serve(sock_path: str, map_path: str) -> None:
 
     torch.set_num_threads(1)
     test_map = json.loads(Path(map_path).read_text())
+    duration = dict(zip(test_map["tests"], test_map["durations"]))  # node id -> seconds in the coverage run
     pristine = {m: subprocess.check_output(["git", "show", f"HEAD:{m}"], text=True) for m in test_map["files"]}
     if os.path.exists(sock_path):
         os.unlink(sock_path)
@@ -139,12 +140,12 @@ def serve(sock_path: str, map_path: str) -> None:
         conn, _ = server.accept()
         with conn:
             request = json.loads(conn.makefile().readline())
-            conn.sendall((json.dumps(_one_mutant(pytest, test_map, pristine, request)) + "\n").encode())
+            answer = _one_mutant(pytest, test_map, duration, pristine, request)
+            conn.sendall((json.dumps(answer) + "\n").encode())
 
 
-def _one_mutant(pytest, test_map: dict, pristine: dict, request: dict) -> dict:
+def _one_mutant(pytest, test_map: dict, duration: dict, pristine: dict, request: dict) -> dict:
     changed = [m for m in pristine if Path(m).read_text() != pristine[m]]
-    duration = dict(zip(test_map["tests"], test_map["durations"]))
     if "baseline" in request:  # the fastest tests on the unmutated tree: must pass, or the lane is broken
         if changed:
             return {"status": -1, "note": f"not pristine: {changed}"}
