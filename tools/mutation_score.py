@@ -103,10 +103,19 @@ def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]
     return spans
 
 
+# Operators whose source token can be star syntax (a bare `*` in a signature, `*x`/`**x` unpacking). Every mutant of
+# the formula modules that did not parse came from these (a parse of all of them, 2026-11-25); parsing only these
+# keeps a session's start-up short.
+STAR_SOURCES = ("ReplaceBinaryOperator_Mul_", "ReplaceBinaryOperator_Pow_")
+
+
 def is_valid_python(path: Path, mutation) -> bool:
     """Whether the mutated module still parses (see the module docstring)."""
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
+
+    if not any(source in mutation.operator_name for source in STAR_SOURCES):
+        return True
 
     operator = get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
     mutated = mutate_code(path.read_text(), operator, mutation.occurrence)
