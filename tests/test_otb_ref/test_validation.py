@@ -50,6 +50,7 @@ CASES = [
     ("otb", _with(index=[0.0, 0.0, 1.0, 1.0]), "index", "float"),
     ("otb", _with(sum_pi_squared=torch.zeros(B, T)), "sum_pi_squared", r"\(0, 1"),
     ("otb", _with(sum_pi_squared=torch.full((B, T), 1.5)), "sum_pi_squared", r"\(0, 1"),
+    ("otb", _with(sum_pi_squared=torch.full((B, T), -0.5)), "sum_pi_squared", r"\(0, 1"),
     ("otb", _with(sum_pi_squared=torch.full((B, T - 1), 0.5)), "sum_pi_squared", "shape"),
     ("otb", _with(rollout_is_weights=-torch.ones(B, T)), "rollout_is_weights", ">= 0"),
     (
@@ -222,3 +223,16 @@ def test_a_mask_whose_non_binary_terms_cancel_is_refused():
 
 def _otb_inputs(good):
     return {k: good[k] for k in ("old_log_probs", "sum_pi_squared")}
+
+
+def test_the_four_leading_arguments_take_keywords_and_the_inputs_only_keywords():
+    """compute_advantages(estimator, token_level_rewards, response_mask, index, *, inputs...): the leading four may
+    be named (as verl's callers do); an input passed by position is refused rather than bound to the wrong name."""
+    good = _good()
+    inputs = dict(old_log_probs=good["old_log_probs"], sum_pi_squared=good["sum_pi_squared"])
+    leading = {k: good[k] for k in ("token_level_rewards", "response_mask", "index")}
+    by_name, _ = compute_advantages(estimator="otb", **leading, **inputs)
+    by_position, _ = compute_advantages("otb", *leading.values(), **inputs)
+    torch.testing.assert_close(by_name, by_position, rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        compute_advantages("otb", *leading.values(), *inputs.values())
