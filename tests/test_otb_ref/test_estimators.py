@@ -72,6 +72,13 @@ def test_every_cell_built_from_runtime_strings_computes_the_named_estimator():
         fresh = {field: "".join(list(getattr(cell, field))) for field in ("granularity", "energy")}  # equal, new
         built = dataclasses.replace(cell, **fresh)
         assert built == cell and built.energy is not cell.energy
-        got, _ = compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs)
-        want, _ = compute_advantages(name, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs)
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        is_weights = (
+            dict(rollout_is_weights=inputs["old_log_probs"].exp() + 0.5) if cell.energy in ("length", "proxy") else {}
+        )
+        for extra in [{}, is_weights]:
+            got, _ = compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, **extra)
+            want, _ = compute_advantages(name, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, **extra)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        if cell.granularity == "sequence":
+            with pytest.raises(ValueError, match="^handle_zero_tail: applies to token-level"):
+                compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, handle_zero_tail=True)
