@@ -203,3 +203,32 @@ def test_sequence_advantages_leave_rows_not_counted_out():
     want = readable.sequence_advantages(R[kept], v[kept], mask[kept], group[kept], counted[kept], False, 1e-8)
     torch.testing.assert_close(got[kept], want, rtol=1e-15, atol=0)
     torch.testing.assert_close(got[2], R[2].expand(2), rtol=0, atol=0)  # no baseline: its own R
+
+
+def test_readable_takes_cells_built_at_run_time_an_empty_batch_and_keyword_only_inputs():
+    """As compute_advantages: an Estimator whose strings were built at run time is the table's cell; a batch of no
+    rows gives [0, T] outputs; the inputs after index are keyword-only, the leading four may be named."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    inputs = dict(
+        old_log_probs=-torch.rand(4, 3, generator=g, dtype=torch.float64),
+        sum_pi_squared=torch.full((4, 3), 0.5, dtype=torch.float64),
+        cumulative_energy=torch.rand(4, 3, generator=g, dtype=torch.float64).cumsum(-1),
+        grad_norms_sq=torch.rand(4, generator=g, dtype=torch.float64),
+    )
+    for name, cell in ESTIMATORS.items():
+        fresh = {field: "".join(list(getattr(cell, field))) for field in ("granularity", "energy")}
+        built = readable.advantages(dataclasses.replace(cell, **fresh), rewards, mask, [0, 0, 1, 1], **inputs)
+        for a, b in zip(built, readable.advantages(name, rewards, mask, [0, 0, 1, 1], **inputs)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        empty = {k: v[:0] for k, v in inputs.items()}
+        got = readable.advantages(name, rewards[:0], mask[:0], [], **empty)
+        assert [tuple(x.shape) for x in got] == [(0, 3), (0, 3)], name
+    leading = dict(rewards=rewards, mask=mask, index=[0, 0, 1, 1])
+    by_name = readable.advantages(estimator="otb", **leading, **inputs)
+    torch.testing.assert_close(by_name[0], readable.advantages("otb", *leading.values(), **inputs)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        readable.advantages("otb", *leading.values(), inputs["old_log_probs"], inputs["sum_pi_squared"])
