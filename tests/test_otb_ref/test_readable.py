@@ -232,3 +232,29 @@ def test_readable_takes_cells_built_at_run_time_an_empty_batch_and_keyword_only_
     torch.testing.assert_close(by_name[0], readable.advantages("otb", *leading.values(), **inputs)[0], rtol=0, atol=0)
     with pytest.raises(TypeError):
         readable.advantages("otb", *leading.values(), inputs["old_log_probs"], inputs["sum_pi_squared"])
+
+
+def test_otb_advantages_edge_rules():
+    """otb_advantages' rules at the edges: with ε = 0 and no energy (confident tokens) B_t = Ḡ_t; energies above 2
+    (Σπ² beyond 1 by compute_advantages' slack, π(y) ≈ 0) are clamped to 2, as the fast path does."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    confident = torch.zeros(3, 2, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)  # w = 1 − 2 + 1 = 0
+    got = readable.otb_advantages(rewards, mask, [0, 0, 0], *confident, epsilon=0.0)
+    G = rewards.flip(-1).cumsum(-1).flip(-1)  # one group: Ḡ_t is the mean over the rows
+    torch.testing.assert_close(got, G - G.mean(dim=0), rtol=0, atol=1e-15)
+    edge = torch.full((3, 2), -50.0, dtype=torch.float64), torch.full((3, 2), 1 + 1e-6, dtype=torch.float64)
+    want, _ = compute_advantages("otb", rewards, mask, [0, 0, 1], old_log_probs=edge[0], sum_pi_squared=edge[1])
+    torch.testing.assert_close(readable.otb_advantages(rewards, mask, [0, 0, 1], *edge), want, rtol=0, atol=0)
+
+
+def test_readable_default_flags_are_compute_advantages():
+    """Defaults as compute_advantages: no zero tail, not multi-turn (a batch with a unique longest response)."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    inputs = dict(old_log_probs=torch.full((2, 3), -0.5, dtype=torch.float64))
+    inputs["sum_pi_squared"] = torch.full((2, 3), 0.5, dtype=torch.float64)
+    default = readable.advantages("otb", rewards, mask, [0, 0], **inputs)[0]
+    torch.testing.assert_close(default, compute_advantages("otb", rewards, mask, [0, 0], **inputs)[0])
+    tail = readable.advantages("otb", rewards, mask, [0, 0], **inputs, handle_zero_tail=True)[0]
+    assert not torch.equal(default, tail)
