@@ -10,7 +10,10 @@ number, boolean, loop, decorator and exception handler of each module. Left out,
   tensors of floats, where they have no meaning (they raise TypeError); replacements *from* `&`, `|` and `~` (used on
   masks) stay;
 * mutations inside type annotations (never evaluated: `from __future__ import annotations`);
-* `otb_ref/exact/__main__.py`, the table printer (its output is checked by tests/test_otb_ref/exact/test_table.py).
+* `otb_ref/exact/__main__.py`, the table printer (its output is checked by tests/test_otb_ref/exact/test_table.py);
+* mutants that are not valid Python: cosmic-ray's operators see the bare `*` of keyword-only parameters and the
+  `**` of a dict display as arithmetic (`def f(a, %, b)`, `{**d}` → `{-d}`); such a file cannot be imported, so
+  every test "fails" and the mutant would count as killed.
 
 Each mutant runs only the tests that execute the mutated statement (tools/mutation_tests.py: a coverage map of the
 unmutated tree, one context per test; import-time code runs every test of the module), `-x`, fastest first, with
@@ -100,6 +103,20 @@ def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]
     return spans
 
 
+def is_valid_python(path: Path, mutation) -> bool:
+    """Whether the mutated module still parses (see the module docstring)."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    operator = get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+    mutated = mutate_code(path.read_text(), operator, mutation.occurrence)
+    try:
+        ast.parse(mutated if mutated is not None else "")
+    except SyntaxError:
+        return False
+    return True
+
+
 def init_session(name: str, session: Path, module: str, key: str, resume: bool = True) -> None:
     """cosmic-ray init, then mark the mutants left out (see the module docstring) as skipped, with the reason."""
     import re
@@ -122,6 +139,8 @@ def init_session(name: str, session: Path, module: str, key: str, resume: bool =
                 reason = "left out: to a bitwise or shift operator"
             elif any(a <= tuple(mutation.start_pos) and tuple(mutation.end_pos) <= b for a, b in spans[file]):
                 reason = "left out: in a type annotation"
+            elif not is_valid_python(ROOT / file, mutation):
+                reason = "left out: not valid Python"
             if reason:
                 db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
         if resume:

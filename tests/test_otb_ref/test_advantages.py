@@ -273,3 +273,15 @@ def test_std_normalize_with_zero_std_and_zero_epsilon_is_zero_not_nan():
         adv, _ = compute_advantages(name, rewards, mask, [0, 0, 1], std_normalize=True, epsilon=0.0)
         assert torch.isfinite(adv).all()
         assert torch.equal(adv[:2], torch.zeros(2, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
+@pytest.mark.parametrize("batch_size, length", [(0, 4), (1, 1), (5, 1 << 17), (1000, 3)])
+def test_row_blocks_cover_every_row_once(device, batch_size, length):
+    """The fast path reads the batch in row blocks on CPU (about 2^18 elements each) and whole on accelerators."""
+    from otb_ref import advantages
+
+    blocks = advantages._row_blocks(batch_size, length, torch.device(device))
+    assert [i for block in blocks for i in range(batch_size)[block]] == list(range(batch_size))
+    if device != "cpu":
+        assert len(blocks) == 1

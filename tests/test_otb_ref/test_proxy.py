@@ -282,6 +282,23 @@ def test_auto_uses_the_compiled_kernels_only_on_cuda(monkeypatch):
     assert not proxy._use_fused("auto", torch.zeros(1, 2))
 
 
+def test_implementation_rule_on_cuda(monkeypatch):
+    """On CUDA with Triton: "auto" and "fused" are fused, "eager" and fp64 are not, whatever the strings' identity
+    (names read from a config are equal to the literals, not the same objects). Only dtype and device are read."""
+    from types import SimpleNamespace
+
+    from otb_ref import proxy
+
+    cuda = SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"))
+    monkeypatch.setattr(proxy, "has_triton", lambda: True)
+    for name in proxy.IMPLEMENTATIONS:
+        built = "".join(list(name))  # equal, not identical
+        assert proxy._use_fused(built, cuda) == (name != "eager"), name
+    assert not proxy._use_fused("auto", SimpleNamespace(dtype=torch.float64, device=torch.device("cuda")))
+    monkeypatch.setattr(proxy, "has_triton", lambda: False)
+    assert not proxy._use_fused("auto", cuda) and proxy._use_fused("fused", cuda)
+
+
 def _lm_head(hidden_shape=(3, 4), vocab=5, targets=None):
     hidden, weight = torch.randn(*hidden_shape), torch.randn(vocab, hidden_shape[-1] if hidden_shape else 4)
     if targets is None:
@@ -315,3 +332,62 @@ def test_lm_head_accepts_one_position_and_the_edge_ids():
     log_probs, spp = logprobs_and_sum_pi_squared(**_lm_head(hidden_shape=(4,), targets=torch.tensor(4)))
     assert log_probs.shape == spp.shape == ()
     logprobs_and_sum_pi_squared(**_lm_head(targets=torch.tensor([0, 4, 0])))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sum_pi_squared_divides_the_logits_by_the_temperature(temperature):
+    """F6 at temperature τ is Σπ² of the logits divided by τ, for τ below and above 1."""
+    logits = torch.randn(4, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 3
+    torch.testing.assert_close(sum_pi_squared(logits, temperature=temperature), sum_pi_squared(logits / temperature))
+    assert not torch.allclose(sum_pi_squared(logits, temperature=temperature), sum_pi_squared(logits))
+
+
+@pytest.mark.parametrize("rows, vocab", [(2, (1 << 22) + 3), (1100, 4096)])
+def test_default_chunks_are_invisible_past_the_cpu_budget(rows, vocab):
+    """The default chunk holds about 4M logits on CPU: a vocabulary above that (one row a chunk) and more rows than
+    one chunk holds give the full-logits values."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(rows, 1, generator=g), torch.randn(vocab, 1, generator=g)
+    targets = torch.randint(vocab, (rows,), generator=g)
+    log_probs, spp = logprobs_and_sum_pi_squared(hidden, weight, targets)
+    want_log_probs, want_spp = _naive(hidden, weight, targets)
+    torch.testing.assert_close(log_probs, want_log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(spp, want_spp, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("vocab", [0, 5])
+def test_lm_head_of_no_rows_is_empty_whatever_the_vocabulary(vocab):
+    log_probs, spp = logprobs_and_sum_pi_squared(torch.zeros(0, 4), torch.zeros(vocab, 4), torch.zeros(0).long())
+    assert log_probs.shape == spp.shape == (0,)
+
+
+@pytest.mark.parametrize("implementation, dtype", [("eager", torch.float64), ("fused", torch.float32)])
+def test_lm_head_is_differentiable_once(implementation, dtype):
+    """Backward is marked once-differentiable (its saved logsumexp carries no graph): a second derivative raises
+    instead of being silently wrong."""
+    hidden = torch.randn(3, 4, dtype=dtype, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=dtype, requires_grad=True)
+    log_probs, _ = logprobs_and_sum_pi_squared(hidden, weight, torch.tensor([0, 4, 2]), implementation=implementation)
+    upstream = torch.ones(3, dtype=log_probs.dtype, requires_grad=True)  # so the gradient has a graph to follow
+    (grad_hidden,) = torch.autograd.grad(log_probs, hidden, grad_outputs=upstream, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
+
+
+def test_lm_head_compares_sizes_by_value():
+    """d above 256 (beyond CPython's cached small ints) matches the weight's d."""
+    hidden, weight = torch.randn(2, 300, dtype=torch.float64), torch.randn(3, 300, dtype=torch.float64)
+    targets = torch.tensor([2, 0])
+    log_probs, spp = logprobs_and_sum_pi_squared(hidden, weight, targets)
+    want_log_probs, want_spp = _naive(hidden, weight, targets)
+    torch.testing.assert_close(log_probs, want_log_probs, **EXACT)
+    torch.testing.assert_close(spp, want_spp, **EXACT)
+
+
+def test_lm_head_errors_state_the_shapes_they_compare():
+    """The messages quote weight's d and hidden's leading dims (what the user must match)."""
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 6)
+    with pytest.raises(ValueError, match=r"^hidden: last dim of shape \(2, 3, 4\) does not match weight's d = 6$"):
+        logprobs_and_sum_pi_squared(hidden, weight, torch.zeros(2, 3).long())
+    with pytest.raises(ValueError, match=r"^targets: shape \(2, 2\) does not match hidden's leading dims \(2, 3\)$"):
+        logprobs_and_sum_pi_squared(hidden, torch.randn(5, 4), torch.zeros(2, 2).long())

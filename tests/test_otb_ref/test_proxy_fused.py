@@ -212,3 +212,49 @@ def test_compiled_fused_equals_eager_on_cuda(dtype):
         assert got.dtype == dtype
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), rtol=grad_tol, atol=grad_tol * scale)
+
+
+def test_fused_name_from_a_config_takes_the_fused_path(monkeypatch):
+    """implementation="fused" built at run time (equal to the literal, not the same object) runs the fused
+    functions on CPU, and "eager" does not."""
+    calls = []
+    real = proxy.fused_chunk_statistics
+    monkeypatch.setattr(proxy, "fused_chunk_statistics", lambda *args: calls.append(1) or real(*args))
+    hidden, weight, targets, _ = _inputs(6, 3, 7, seed=1)
+    for name, fused in [("fused", True), ("eager", False)]:
+        calls.clear()
+        logprobs_and_sum_pi_squared(hidden, weight, targets, chunk_size=4, implementation="".join(list(name)))
+        assert len(calls) == (2 if fused else 0), name
+
+
+def test_compiled_wrapper_one_graph_for_every_row_count_and_no_graph_breaks(monkeypatch):
+    """The accelerator wrapper: first (row) dim of every tensor argument dynamic, so chunks of any length share one
+    graph; fullgraph, so a function that would fall back to eager in parts is refused. Checked with torch.compile's
+    "eager" backend (dynamo's tracing and guards without code generation), which runs on CPU."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    statistics = proxy._compile_rows_dynamic(proxy.fused_chunk_statistics)
+    for rows in (3, 5, 8):
+        hidden, weight, targets, _ = _inputs(rows, 3, 7, seed=rows)
+        got = statistics(hidden @ weight.T, targets, 0.5)
+        for a, b in zip(got, proxy.fused_chunk_statistics(hidden @ weight.T, targets, 0.5)):
+            torch.testing.assert_close(a, b)
+    assert counters["stats"]["unique_graphs"] == 1
+
+    def breaks_the_graph(x):
+        y = x * 2
+        torch._dynamo.graph_break()  # what an unsupported op does: the function would run as two graphs
+        return y + 1
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        proxy._compile_rows_dynamic(breaks_the_graph)(torch.ones(2, 3))
+    torch._dynamo.reset()
+
+
+def test_compiled_kernels_are_built_once():
+    assert proxy._compiled_kernels() is proxy._compiled_kernels()

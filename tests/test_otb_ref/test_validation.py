@@ -1,10 +1,14 @@
 """Bad input: a ValueError naming the argument and the problem, and nothing modified."""
 
+import math
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from otb_ref import compute_advantages, compute_optimal_token_baseline_advantage
+from otb_ref.estimators import ESTIMATORS
 
 B, T = 4, 3
 
@@ -136,7 +140,8 @@ def test_a_later_input_is_checked_when_an_earlier_one_is_absent(name):
 
 
 def test_verl_style_otb_functions_handle_the_zero_tail_by_default():
-    """PORTING.md's defaults per entry point: the verl-interface OTB functions zero the tail unless told not to."""
+    """PORTING.md's defaults per entry point: the verl-interface OTB functions zero the tail unless told not to, and
+    take ε = 1e-8."""
     from otb_ref import compute_multi_turn_optimal_token_baseline_advantage
 
     good = _good()
@@ -147,3 +152,73 @@ def test_verl_style_otb_functions_handle_the_zero_tail_by_default():
         without, _ = function(*args, handle_zero_tail=False)
         torch.testing.assert_close(default, with_tail, rtol=0, atol=0)
         assert not torch.equal(default, without), "the batch must have a zero tail for this test to mean anything"
+    log_probs = torch.tensor([[-0.1, -2.0, -0.5], [-1.0, -0.3, -0.2], [-0.05, -1.5, -0.9], [-0.7, -0.7, -0.7]])
+    args[3] = log_probs  # unequal energies, so that ε moves the baseline
+    for function in (compute_optimal_token_baseline_advantage, compute_multi_turn_optimal_token_baseline_advantage):
+        default, _ = function(*args)
+        torch.testing.assert_close(default, function(*args, epsilon=1e-8)[0], rtol=0, atol=0)
+        assert not torch.equal(default, function(*args, epsilon=1.0)[0]), "ε must matter on this batch"
+
+
+def _holes():
+    """_good() with a hole inside row 1 (multi-turn style) besides the padded tails; the inputs named by estimator."""
+    good = _good()
+    good["response_mask"][1] = torch.tensor([1.0, 0.0, 1.0])
+    good["token_level_rewards"][1] = torch.tensor([0.0, 0.0, 1.0])
+    good["rollout_is_weights"] = torch.full((B, T), 1.5)
+    return good
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_any_value_off_the_mask_is_ignored(estimator):
+    """Out-of-range values where the mask is 0 (inf rewards, NaN log-probs, Σπ² = 0, negative energies and IS
+    weights) neither raise nor change the outputs: the second check round looks at the valid entries only."""
+    good = _holes()
+    off = good["response_mask"] == 0
+    garbage = {
+        "token_level_rewards": float("inf"),
+        "old_log_probs": float("nan"),
+        "sum_pi_squared": 0.0,
+        "cumulative_energy": -1.0,
+        "rollout_is_weights": -1.0,
+    }
+    spec = ESTIMATORS[estimator]
+    names = ["old_log_probs", "sum_pi_squared", "grad_norms_sq", "cumulative_energy"]
+    names += ["rollout_is_weights"] if spec.energy in ("length", "proxy") else []
+    clean = {k: good[k] for k in names}
+    dirty = {k: v.masked_fill(off, garbage[k]) if k in garbage else v for k, v in clean.items()}
+    args = good["response_mask"], good["index"]
+    want, want_returns = compute_advantages(estimator, good["token_level_rewards"], *args, **clean)
+    rewards = good["token_level_rewards"].masked_fill(off, garbage["token_level_rewards"])
+    got, got_returns = compute_advantages(estimator, rewards, *args, **dirty)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_returns * ~off, want_returns * ~off, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch_size, length", [(3, 5), (1, 1)])
+def test_is_weights_bound_is_the_largest_whose_squared_sums_stay_finite(batch_size, length):
+    """The rule the error states: ρ̄ <= √(max(dtype) / (4 B T)), so that ρ̄² × w (w <= 2) summed over every token
+    of the batch stays finite. Just below the bound is accepted, just above it refused."""
+    bound = math.sqrt(torch.finfo(torch.float32).max / (4.0 * batch_size * length))
+    rewards, mask = torch.ones(batch_size, length), torch.ones(batch_size, length)
+    inputs = dict(old_log_probs=torch.full((batch_size, length), -0.7), sum_pi_squared=torch.full_like(mask, 0.4))
+    rule = re.escape(f"outside [0.0, {bound!r}] (must be >= 0, and <= {bound:.3g}")
+    below, above = (torch.full((batch_size, length), factor * bound) for factor in (0.99, 1.01))
+    advantages, _ = compute_advantages("otb", rewards, mask, [0] * batch_size, rollout_is_weights=below, **inputs)
+    assert bool(torch.isfinite(advantages).all())
+    with pytest.raises(ValueError, match=f"^rollout_is_weights: .*{rule}"):
+        compute_advantages("otb", rewards, mask, [0] * batch_size, rollout_is_weights=above, **inputs)
+
+
+def test_a_mask_whose_non_binary_terms_cancel_is_refused():
+    """Σ m(1 − m) = 0 means binary only when every entry lies in [0, 1]: eight entries of 0.5 (+2) and one of 2
+    (−2) also sum to 0 and must be refused."""
+    mask = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.5, 0.5, 2.0], [1.0, 0.0, 0.0]])
+    assert float((mask * (1 - mask)).sum()) == 0.0
+    good = _good()
+    with pytest.raises(ValueError, match="^response_mask: .*0 and 1"):
+        compute_advantages("otb", good["token_level_rewards"], mask, good["index"], **_otb_inputs(good))
+
+
+def _otb_inputs(good):
+    return {k: good[k] for k in ("old_log_probs", "sum_pi_squared")}

@@ -146,3 +146,23 @@ def test_a_statement_run_at_import_runs_every_test_of_the_module():
     }
     body = SOURCE.replace("x = x + 1", "x = x * 1")
     assert select.select(test_map, "m.py", SOURCE, body) == ["t::c", "t::a"]
+
+
+@pytest.mark.parametrize(
+    "operator, occurrence, valid",
+    [
+        ("core/ReplaceBinaryOperator_Mul_Sub", 0, False),  # def f(a, -, b)
+        ("core/ReplaceBinaryOperator_Mul_Div", 0, True),  # def f(a, /, b): positional-only, still Python
+        ("core/ReplaceBinaryOperator_Mul_Sub", 1, True),  # a - b
+        ("core/ReplaceBinaryOperator_Pow_Mul", 0, False),  # {*d, ...}
+        ("core/ReplaceBinaryOperator_Pow_Mul", 1, True),  # 2 * 3
+    ],
+)
+def test_mutants_that_are_not_python_are_recognised(tmp_path, operator, occurrence, valid):
+    pytest.importorskip("cosmic_ray")
+    from types import SimpleNamespace
+
+    path = tmp_path / "m.py"
+    path.write_text("def f(a, *, b):\n    return a * b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n")
+    mutation = SimpleNamespace(operator_name=operator, operator_args={}, occurrence=occurrence)
+    assert score.is_valid_python(path, mutation) is valid
