@@ -150,14 +150,21 @@ def init_session(name: str, session: Path, module: str, key: str, resume: bool =
 def _resume_from_results(db, name: str, module: str, key: str) -> None:
     """Results already in the results file are not run again: a kill while the module's code is unchanged (tests
     only grow, so a mutant once killed stays killed), a survivor while the library and the tests are unchanged.
-    (`--fresh` runs every mutant.)"""
+    A survivor listed as equivalent is kept while the module is unchanged too: no test can kill it, by the reason
+    given. A result without the test command's note (how many tests ran, their exit status) is run again: it did not
+    come from this driver's test command. (`--fresh` runs every mutant.)"""
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
     done = load_results().get(name)
     if done is None or done[0].get("module_code") != module:
         return
     keep = ("killed", "survived") if done[0]["code"] == key else ("killed",)
-    known = {(r["file"], r["operator"], r["occurrence"]): r for r in done[1] if r["outcome"] in keep}
+    listed = load_equivalent()
+    known = {
+        (r["file"], r["operator"], r["occurrence"]): r
+        for r in done[1]
+        if r["note"] and (r["outcome"] in keep or (r["outcome"] == "survived" and is_equivalent(r, listed)))
+    }
     for item in list(db.pending_work_items):
         (m,) = item.mutations
         record = known.get((str(m.module_path), m.operator_name, m.occurrence))
@@ -344,17 +351,28 @@ def equivalent_key(record: dict) -> tuple[str, str, str, str]:
     return record["file"], record["operator"], record["original"], record["mutated"]
 
 
+def load_equivalent(path: Path = EQUIVALENT) -> set[tuple]:
+    """The listed equivalents' keys: the mutation's text, and its line where an entry gives one (the same text
+    elsewhere in the file may not be equivalent)."""
+    entries = json.loads(path.read_text()) if path.exists() else []
+    return {(*equivalent_key(e), e.get("line")) for e in entries}
+
+
+def is_equivalent(record: dict, listed: set[tuple]) -> bool:
+    key = equivalent_key(record)
+    return (*key, None) in listed or (*key, record["line"]) in listed
+
+
 def table(results: Path = RESULTS) -> str:
     """docs/mutations.md's table: | module | mutants | killed | equivalent | survived | score % |."""
-    listed = json.loads((results / "equivalent.json").read_text()) if (results / "equivalent.json").exists() else []
-    equivalent = {equivalent_key(e) for e in listed}
+    equivalent = load_equivalent(results / "equivalent.json")
     rows = ["| module | mutants | killed | equivalent | survived | score % |", "|---|---|---|---|---|---|"]
     notes = []
     done = load_results(results)
     for name, (header, records) in done.items():
         tested = [r for r in records if r["outcome"] in ("killed", "survived")]
         killed = sum(r["outcome"] == "killed" for r in tested)
-        same = sum(r["outcome"] == "survived" and equivalent_key(r) in equivalent for r in tested)
+        same = sum(r["outcome"] == "survived" and is_equivalent(r, equivalent) for r in tested)
         survived = len(tested) - killed - same
         score = f"{100.0 * killed / (len(tested) - same):.1f}" if len(tested) > same else "—"
         rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score} |")

@@ -105,8 +105,15 @@ def _results(tmp_path, records, equivalent=()):
     return tmp_path
 
 
-def _record(outcome, mutated):
-    return {"file": "otb_ref/proxy.py", "operator": "op", "original": "a = b", "mutated": mutated, "outcome": outcome}
+def _record(outcome, mutated, line=1):
+    return {
+        "file": "otb_ref/proxy.py",
+        "operator": "op",
+        "original": "a = b",
+        "mutated": mutated,
+        "outcome": outcome,
+        "line": line,
+    }
 
 
 def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
@@ -115,6 +122,14 @@ def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
     same = {**_record("survived", "s1"), "reason": "why"}
     (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
     assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 1 | 85.7 |"
+
+
+def test_an_equivalent_with_a_line_covers_that_line_only(tmp_path):
+    """The same mutation text on two lines: an entry that names a line makes only that one equivalent."""
+    records = [_record("survived", "s", line=3), _record("survived", "s", line=9)]
+    same = {**_record("survived", "s"), "line": 9, "reason": "why"}
+    (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
+    assert row == "| `otb_ref/proxy.py` | 2 | 0 | 1 | 1 | 0.0 |"
 
 
 def test_docs_show_the_committed_results_table():
@@ -127,15 +142,11 @@ def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
     path = score.EQUIVALENT
     if not path.exists():
         pytest.skip("no equivalent mutants listed")
-    survivors = {
-        score.equivalent_key(r)
-        for _, records in score.load_results().values()
-        for r in records
-        if r["outcome"] == "survived"
-    }
+    survivors = [r for _, records in score.load_results().values() for r in records if r["outcome"] == "survived"]
     for entry in json.loads(path.read_text()):
         assert entry["reason"].strip(), entry
-        assert score.equivalent_key(entry) in survivors, f"stale entry (no such survivor): {entry}"
+        listed = {(*score.equivalent_key(entry), entry.get("line"))}
+        assert any(score.is_equivalent(r, listed) for r in survivors), f"stale entry (no such survivor): {entry}"
 
 
 def test_a_statement_run_at_import_runs_every_test_of_the_module():
