@@ -51,3 +51,34 @@ def test_an_estimator_built_from_runtime_strings_is_the_tables():
         built, _ = compute_advantages(spec, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
         named, _ = compute_advantages(name, rewards, mask, [0, 0, 0], epsilon=0.0, **inputs)
         torch.testing.assert_close(built, named, rtol=0, atol=0, msg=name)
+
+
+def test_every_cell_built_from_runtime_strings_computes_the_named_estimator():
+    """As above, for every estimator of the table, with every input given (each reads what its energy needs)."""
+    import torch
+
+    from otb_ref import compute_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 1, 0]])
+    inputs = dict(
+        old_log_probs=-torch.rand(6, 4, generator=g, dtype=torch.float64) * 2,
+        sum_pi_squared=torch.rand(6, 4, generator=g, dtype=torch.float64) * 0.5 + 0.3,
+        cumulative_energy=torch.rand(6, 4, generator=g, dtype=torch.float64).cumsum(-1),
+        grad_norms_sq=torch.rand(6, generator=g, dtype=torch.float64) + 0.5,
+    )
+    for name, cell in ESTIMATORS.items():
+        fresh = {field: "".join(list(getattr(cell, field))) for field in ("granularity", "energy")}  # equal, new
+        built = dataclasses.replace(cell, **fresh)
+        assert built == cell and built.energy is not cell.energy
+        is_weights = (
+            dict(rollout_is_weights=inputs["old_log_probs"].exp() + 0.5) if cell.energy in ("length", "proxy") else {}
+        )
+        for extra in [{}, is_weights]:
+            got, _ = compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, **extra)
+            want, _ = compute_advantages(name, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, **extra)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        if cell.granularity == "sequence":
+            with pytest.raises(ValueError, match="^handle_zero_tail: applies to token-level"):
+                compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, handle_zero_tail=True)

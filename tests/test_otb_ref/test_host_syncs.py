@@ -93,15 +93,29 @@ def test_exact_energies_take_one_more_read_for_grad_norms(monkeypatch):
     assert ops == {"tolist": 1}
 
 
-def test_garbage_off_the_mask_takes_a_second_read(monkeypatch):
-    """NaN where the mask is 0 is legal; locating it costs one more read (still no per-value syncs)."""
-    rewards, mask, log_probs, sum_pi_squared = _batch(garbage_off_mask=True)
-    ops = _count(
-        monkeypatch,
-        lambda: compute_advantages(
-            "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
-        ),
-    )
+@pytest.mark.parametrize(
+    "estimator, name, garbage",
+    [
+        ("otb", "old_log_probs", float("nan")),
+        ("otb", "token_level_rewards", float("inf")),
+        ("otb", "sum_pi_squared", 0.0),
+        ("otb", "rollout_is_weights", -1.0),
+        ("token_length", "rollout_is_weights", float("nan")),
+        ("otb_exact", "cumulative_energy", -1.0),
+    ],
+)
+def test_garbage_off_the_mask_takes_a_second_read(monkeypatch, estimator, name, garbage):
+    """Any value where the mask is 0 is legal; telling it apart costs one more read (still no per-value syncs): the
+    second round's fill off the mask lies inside each input's range."""
+    rewards, mask, log_probs, sum_pi_squared = _batch()
+    inputs = dict(token_level_rewards=rewards, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared)
+    inputs |= dict(rollout_is_weights=torch.ones(8, 12), cumulative_energy=torch.ones(8, 12))
+    inputs[name] = inputs[name].masked_fill(mask == 0, garbage)
+    del inputs["cumulative_energy" if estimator != "otb_exact" else "rollout_is_weights"]
+    if estimator == "otb_exact":
+        del inputs["old_log_probs"], inputs["sum_pi_squared"]
+    rewards = inputs.pop("token_level_rewards")
+    ops = _count(monkeypatch, lambda: compute_advantages(estimator, rewards, mask, [0] * 8, **inputs))
     assert ops == {"tolist": 2}
 
 

@@ -50,6 +50,7 @@ CASES = [
     ("otb", _with(index=[0.0, 0.0, 1.0, 1.0]), "index", "float"),
     ("otb", _with(sum_pi_squared=torch.zeros(B, T)), "sum_pi_squared", r"\(0, 1"),
     ("otb", _with(sum_pi_squared=torch.full((B, T), 1.5)), "sum_pi_squared", r"\(0, 1"),
+    ("otb", _with(sum_pi_squared=torch.full((B, T), -0.5)), "sum_pi_squared", r"\(0, 1"),
     ("otb", _with(sum_pi_squared=torch.full((B, T - 1), 0.5)), "sum_pi_squared", "shape"),
     ("otb", _with(rollout_is_weights=-torch.ones(B, T)), "rollout_is_weights", ">= 0"),
     (
@@ -210,10 +211,13 @@ def test_is_weights_bound_is_the_largest_whose_squared_sums_stay_finite(batch_si
         compute_advantages("otb", rewards, mask, [0] * batch_size, rollout_is_weights=above, **inputs)
 
 
-def test_a_mask_whose_non_binary_terms_cancel_is_refused():
-    """Σ m(1 − m) = 0 means binary only when every entry lies in [0, 1]: eight entries of 0.5 (+2) and one of 2
-    (−2) also sum to 0 and must be refused."""
-    mask = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.5, 0.5, 2.0], [1.0, 0.0, 0.0]])
+@pytest.mark.parametrize("outlier, halves", [(2.0, 8), (-0.5, 3)])
+def test_a_mask_whose_non_binary_terms_cancel_is_refused(outlier, halves):
+    """Σ m(1 − m) = 0 means binary only when every entry lies in [0, 1]: entries of 0.5 (+0.25 each) and one of 2
+    (−2) or of −0.5 (−0.75) also sum to 0 and must be refused."""
+    mask = torch.ones(B * T)
+    mask[:halves], mask[halves] = 0.5, outlier
+    mask = mask.reshape(B, T)
     assert float((mask * (1 - mask)).sum()) == 0.0
     good = _good()
     with pytest.raises(ValueError, match="^response_mask: .*0 and 1"):
@@ -222,3 +226,33 @@ def test_a_mask_whose_non_binary_terms_cancel_is_refused():
 
 def _otb_inputs(good):
     return {k: good[k] for k in ("old_log_probs", "sum_pi_squared")}
+
+
+def test_the_four_leading_arguments_take_keywords_and_the_inputs_only_keywords():
+    """compute_advantages(estimator, token_level_rewards, response_mask, index, *, inputs...): the leading four may
+    be named (as verl's callers do); an input passed by position is refused rather than bound to the wrong name."""
+    good = _good()
+    inputs = dict(old_log_probs=good["old_log_probs"], sum_pi_squared=good["sum_pi_squared"])
+    leading = {k: good[k] for k in ("token_level_rewards", "response_mask", "index")}
+    by_name, _ = compute_advantages(estimator="otb", **leading, **inputs)
+    by_position, _ = compute_advantages("otb", *leading.values(), **inputs)
+    torch.testing.assert_close(by_name, by_position, rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        compute_advantages("otb", *leading.values(), *inputs.values())
+
+
+def test_the_multi_turn_verl_function_compares_generated_token_ranks():
+    """compute_multi_turn_optimal_token_baseline_advantage is compute_advantages("otb", multi_turn=True), which on a
+    batch with a hole inside a response differs from comparing absolute positions."""
+    from otb_ref import compute_multi_turn_optimal_token_baseline_advantage
+
+    good = _holes()
+    good["token_level_rewards"] = torch.tensor([[0.3, 0.0, 1.0], [0.5, 0.0, 0.2], [0.0, 0.4, 0.0], [1.0, 0.0, 0.0]])
+    good["old_log_probs"] = torch.tensor([[-0.1, -2.0, -0.5], [-1.0, -0.3, -0.2], [-0.05, -1.5, -0.9], [-0.7] * 3])
+    args = [good[k] for k in ("token_level_rewards", "response_mask", "index")]
+    inputs = dict(old_log_probs=good["old_log_probs"], sum_pi_squared=good["sum_pi_squared"])
+    got, _ = compute_multi_turn_optimal_token_baseline_advantage(*args, **inputs)
+    want, _ = compute_advantages("otb", *args, **inputs, multi_turn=True, handle_zero_tail=True)
+    by_position, _ = compute_advantages("otb", *args, **inputs, multi_turn=False, handle_zero_tail=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, by_position), "the hole must matter on this batch"

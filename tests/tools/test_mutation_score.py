@@ -167,6 +167,8 @@ def test_a_statement_run_at_import_runs_every_test_of_the_module():
         ("core/ReplaceBinaryOperator_Mul_Sub", 1, True),  # a - b
         ("core/ReplaceBinaryOperator_Pow_Mul", 0, False),  # {*d, ...}
         ("core/ReplaceBinaryOperator_Pow_Mul", 1, True),  # 2 * 3
+        ("core/ReplaceUnaryOperator_Invert_Not", 0, False),  # a & not b
+        ("core/ReplaceUnaryOperator_Invert_USub", 0, True),  # a & -b
     ],
 )
 def test_mutants_that_are_not_python_are_recognised(tmp_path, operator, occurrence, valid):
@@ -174,6 +176,6 @@ def test_mutants_that_are_not_python_are_recognised(tmp_path, operator, occurren
     from types import SimpleNamespace
 
     path = tmp_path / "m.py"
-    path.write_text("def f(a, *, b):\n    return a * b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n")
+    path.write_text("def f(a, *, b):\n    return a * b & ~b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n")
     mutation = SimpleNamespace(operator_name=operator, operator_args={}, occurrence=occurrence)
     assert score.is_valid_python(path, mutation) is valid
