@@ -515,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _commit(name: str, pending: int) -> None:
     path = RESULTS / f"{name}.jsonl"
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(path)], cwd=ROOT).returncode == 0:
+        return  # nothing new
     subprocess.run(["git", "add", str(path)], cwd=ROOT, check=True)
     message = f"results/mutation_score: {name} ({pending} pending), python tools/mutation_score.py"
     subprocess.run(["git", "commit", "-q", "-m", message, "--", str(path)], cwd=ROOT, check=False)

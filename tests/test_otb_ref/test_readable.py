@@ -163,3 +163,98 @@ def test_f6_otb_advantages_clamps_energies_like_compute_advantages(dtype):
     torch.testing.assert_close(plain, fast, rtol=1e-6, atol=1e-6)
     # t = 0: W = (0, 2, 0.5) after the clamp, G = (1, 0, 0.5): B = 0.25 / 2.5 = 0.1 (ε negligible), A = 0.9.
     assert float(fast[0, 0]) == pytest.approx(0.9, abs=1e-6)
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_otb_advantages_ignores_whatever_stands_off_the_mask(leave_one_out):
+    """The self-contained form's rule "values off the mask are ignored, whatever they are": finite garbage (which
+    would enter the returns to go of earlier tokens) and NaN change nothing."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    rewards = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    log_probs = -torch.rand(3, 4, generator=g, dtype=torch.float64)
+    sum_pi_squared = torch.full((3, 4), 0.5, dtype=torch.float64)
+    off = mask == 0
+    want = readable.otb_advantages(rewards, mask, [0, 0, 0], log_probs, sum_pi_squared, leave_one_out)
+    for garbage in (5.0, float("nan")):
+        dirty = [x.masked_fill(off, garbage) for x in (rewards, log_probs, sum_pi_squared)]
+        got = readable.otb_advantages(dirty[0], mask, [0, 0, 0], *dirty[1:], leave_one_out)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_group_std_is_zero_where_no_position_has_two_alive_rows():
+    """group_std's rule: σ = 0 (no spread) for a group whose positions each have at most one alive row, and the
+    pooled unbiased std for a group with two alive rows at some position."""
+    values = torch.tensor([[1.0, 2.0], [5.0, 7.0], [1.0, 4.0], [3.0, 0.0]], dtype=torch.float64)
+    alive = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    sd, spread = readable.group_std(values, alive, torch.tensor([0, 0, 1, 1]))
+    assert sd.tolist()[:2] == [0.0, 0.0] and spread.tolist() == [False, False, True, True]
+    assert sd.tolist()[2:] == [math.sqrt(2.0)] * 2  # position 0 of group 1: values 1 and 3, unbiased variance 2
+
+
+def test_sequence_advantages_leave_rows_not_counted_out():
+    """sequence_advantages' rule: rows not counted neither contribute nor get a baseline, whatever their v and R."""
+    R = torch.tensor([1.0, 3.0, 7.0, 2.0], dtype=torch.float64)
+    v = torch.tensor([0.5, 2.0, 0.0, 9.0], dtype=torch.float64)
+    mask, group = torch.ones(4, 2, dtype=torch.float64), torch.tensor([0, 0, 0, 0])
+    counted = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    got = readable.sequence_advantages(R, v, mask, group, counted, False, 1e-8)
+    kept = [0, 1, 3]
+    want = readable.sequence_advantages(R[kept], v[kept], mask[kept], group[kept], counted[kept], False, 1e-8)
+    torch.testing.assert_close(got[kept], want, rtol=1e-15, atol=0)
+    torch.testing.assert_close(got[2], R[2].expand(2), rtol=0, atol=0)  # no baseline: its own R
+
+
+def test_readable_takes_cells_built_at_run_time_an_empty_batch_and_keyword_only_inputs():
+    """As compute_advantages: an Estimator whose strings were built at run time is the table's cell; a batch of no
+    rows gives [0, T] outputs; the inputs after index are keyword-only, the leading four may be named."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    inputs = dict(
+        old_log_probs=-torch.rand(4, 3, generator=g, dtype=torch.float64),
+        sum_pi_squared=torch.full((4, 3), 0.5, dtype=torch.float64),
+        cumulative_energy=torch.rand(4, 3, generator=g, dtype=torch.float64).cumsum(-1),
+        grad_norms_sq=torch.rand(4, generator=g, dtype=torch.float64),
+    )
+    for name, cell in ESTIMATORS.items():
+        fresh = {field: "".join(list(getattr(cell, field))) for field in ("granularity", "energy")}
+        built = readable.advantages(dataclasses.replace(cell, **fresh), rewards, mask, [0, 0, 1, 1], **inputs)
+        for a, b in zip(built, readable.advantages(name, rewards, mask, [0, 0, 1, 1], **inputs)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        empty = {k: v[:0] for k, v in inputs.items()}
+        got = readable.advantages(name, rewards[:0], mask[:0], [], **empty)
+        assert [tuple(x.shape) for x in got] == [(0, 3), (0, 3)], name
+    leading = dict(rewards=rewards, mask=mask, index=[0, 0, 1, 1])
+    by_name = readable.advantages(estimator="otb", **leading, **inputs)
+    torch.testing.assert_close(by_name[0], readable.advantages("otb", *leading.values(), **inputs)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        readable.advantages("otb", *leading.values(), inputs["old_log_probs"], inputs["sum_pi_squared"])
+
+
+def test_otb_advantages_edge_rules():
+    """otb_advantages' rules at the edges: with ε = 0 and no energy (confident tokens) B_t = Ḡ_t; energies above 2
+    (Σπ² beyond 1 by compute_advantages' slack, π(y) ≈ 0) are clamped to 2, as the fast path does."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    confident = torch.zeros(3, 2, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)  # w = 1 − 2 + 1 = 0
+    got = readable.otb_advantages(rewards, mask, [0, 0, 0], *confident, epsilon=0.0)
+    G = rewards.flip(-1).cumsum(-1).flip(-1)  # one group: Ḡ_t is the mean over the rows
+    torch.testing.assert_close(got, G - G.mean(dim=0), rtol=0, atol=1e-15)
+    edge = torch.full((3, 2), -50.0, dtype=torch.float64), torch.full((3, 2), 1 + 1e-6, dtype=torch.float64)
+    want, _ = compute_advantages("otb", rewards, mask, [0, 0, 1], old_log_probs=edge[0], sum_pi_squared=edge[1])
+    torch.testing.assert_close(readable.otb_advantages(rewards, mask, [0, 0, 1], *edge), want, rtol=0, atol=0)
+
+
+def test_readable_default_flags_are_compute_advantages():
+    """Defaults as compute_advantages: no zero tail, not multi-turn (a batch with a unique longest response)."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    inputs = dict(old_log_probs=torch.full((2, 3), -0.5, dtype=torch.float64))
+    inputs["sum_pi_squared"] = torch.full((2, 3), 0.5, dtype=torch.float64)
+    default = readable.advantages("otb", rewards, mask, [0, 0], **inputs)[0]
+    torch.testing.assert_close(default, compute_advantages("otb", rewards, mask, [0, 0], **inputs)[0])
+    tail = readable.advantages("otb", rewards, mask, [0, 0], **inputs, handle_zero_tail=True)[0]
+    assert not torch.equal(default, tail)

@@ -68,6 +68,7 @@ CASES = [
     ("otb_exact", _with(cumulative_energy=None), "cumulative_energy", "required"),
     ("otb_exact", _with(cumulative_energy=-torch.ones(B, T)), "cumulative_energy", ">= 0"),
     ("otb", _with(index=[0, 0, 1]), "index", "length"),
+    ("otb", _with(index=[0, 0, 1, 1, 1]), "index", "length"),
     ("otb", _with(index=np.zeros(B + 2, dtype=int)), "index", "length"),
     ("otb", _with(index=torch.zeros(B)), "index", "integer"),
     ("otb", _with(index=[[0], [0], [1], [1]]), "index", "hashable"),
