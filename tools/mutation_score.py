@@ -358,7 +358,12 @@ def load_results(results: Path = RESULTS) -> dict[str, tuple[dict, list[dict]]]:
 
 
 def equivalent_key(record: dict) -> tuple[str, str, str, str]:
-    return record["file"], record["operator"], record["original"], record["mutated"]
+    """A mutation by its text. cosmic-ray writes a removed decorator's line with a varying run of "/" and blanks
+    before the "@" (" / @staticmethod", "/ @staticmethod"): that prefix is dropped."""
+    import re
+
+    original = re.sub(r"^[\s/]+(?=@)", "", record["original"].strip())
+    return record["file"], record["operator"], original, record["mutated"]
 
 
 def load_equivalent(path: Path = EQUIVALENT) -> set[tuple]:

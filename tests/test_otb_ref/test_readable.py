@@ -244,6 +244,7 @@ def test_otb_advantages_edge_rules():
     G = rewards.flip(-1).cumsum(-1).flip(-1)  # one group: Ḡ_t is the mean over the rows
     torch.testing.assert_close(got, G - G.mean(dim=0), rtol=0, atol=1e-15)
     edge = torch.full((3, 2), -50.0, dtype=torch.float64), torch.full((3, 2), 1 + 1e-6, dtype=torch.float64)
+    edge[0][1], edge[1][1] = -0.5, 0.5  # row 1 ordinary: unequal energies, so the clamp moves the baseline
     want, _ = compute_advantages("otb", rewards, mask, [0, 0, 1], old_log_probs=edge[0], sum_pi_squared=edge[1])
     torch.testing.assert_close(readable.otb_advantages(rewards, mask, [0, 0, 1], *edge), want, rtol=0, atol=0)
 

@@ -179,3 +179,10 @@ def test_mutants_that_are_not_python_are_recognised(tmp_path, operator, occurren
     path.write_text("def f(a, *, b):\n    return a * b & ~b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n")
     mutation = SimpleNamespace(operator_name=operator, operator_args={}, occurrence=occurrence)
     assert score.is_valid_python(path, mutation) is valid
+
+
+def test_a_removed_decorator_is_one_key_whatever_prefix_cosmic_ray_writes():
+    base = {"file": "otb_ref/proxy.py", "operator": "core/RemoveDecorator", "mutated": ""}
+    keys = {score.equivalent_key({**base, "original": text}) for text in (" / @staticmethod", "/ @staticmethod")}
+    assert keys == {("otb_ref/proxy.py", "core/RemoveDecorator", "@staticmethod", "")}
+    assert score.equivalent_key({**base, "original": "a / b"})[2] == "a / b"
