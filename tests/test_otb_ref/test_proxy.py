@@ -391,3 +391,18 @@ def test_lm_head_errors_state_the_shapes_they_compare():
         logprobs_and_sum_pi_squared(hidden, weight, torch.zeros(2, 3).long())
     with pytest.raises(ValueError, match=r"^targets: shape \(2, 2\) does not match hidden's leading dims \(2, 3\)$"):
         logprobs_and_sum_pi_squared(hidden, torch.randn(5, 4), torch.zeros(2, 2).long())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("implementation", ["eager", "fused"])
+def test_lm_head_temperatures_below_and_above_one(temperature, implementation):
+    """The LM-head path at τ = 0.5 and 2 (1/τ = 2 and 0.5) equals the full-logits reference."""
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.float64 if implementation == "eager" else torch.float32
+    hidden, weight = torch.randn(6, 3, generator=g, dtype=dtype), torch.randn(9, 3, generator=g, dtype=dtype)
+    targets = torch.randint(9, (6,), generator=g)
+    got = logprobs_and_sum_pi_squared(hidden, weight, targets, temperature=temperature, implementation=implementation)
+    want = _naive(hidden, weight, targets, temperature)
+    tol = EXACT if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
