@@ -33,6 +33,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,8 +111,8 @@ def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]
 MAY_NOT_PARSE = ("ReplaceBinaryOperator_Mul_", "ReplaceBinaryOperator_Pow_", "ReplaceUnaryOperator_")
 
 
-def is_valid_python(path: Path, mutation) -> bool:
-    """Whether the mutated module still parses (see the module docstring)."""
+def is_valid_python(source: str, mutation) -> bool:
+    """Whether the module ``source`` still parses with ``mutation`` applied (see the module docstring)."""
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
 
@@ -119,7 +120,7 @@ def is_valid_python(path: Path, mutation) -> bool:
         return True
 
     operator = get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
-    mutated = mutate_code(path.read_text(), operator, mutation.occurrence)
+    mutated = mutate_code(source, operator, mutation.occurrence)
     try:
         ast.parse(mutated if mutated is not None else "")
     except SyntaxError:
@@ -129,8 +130,6 @@ def is_valid_python(path: Path, mutation) -> bool:
 
 def init_session(name: str, session: Path, module: str, key: str, resume: bool = True) -> None:
     """cosmic-ray init, then mark the mutants left out (see the module docstring) as skipped, with the reason."""
-    import re
-
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -138,18 +137,20 @@ def init_session(name: str, session: Path, module: str, key: str, resume: bool =
     config = session.with_suffix(".toml")
     config.write_text(_config(path, excluded, "true"))
     subprocess.run([CR, "init", str(config), str(session)], cwd=ROOT, check=True)
-    spans = {}
+    spans, sources = {}, {}
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
             (mutation,) = item.mutations
             file = str(mutation.module_path)
-            spans.setdefault(file, annotation_spans(ROOT / file))
+            if file not in sources:
+                sources[file] = (ROOT / file).read_text()
+                spans[file] = annotation_spans(ROOT / file)
             reason = None
             if re.match(NO_MEANING, mutation.operator_name):
                 reason = "left out: to a bitwise or shift operator"
             elif any(a <= tuple(mutation.start_pos) and tuple(mutation.end_pos) <= b for a, b in spans[file]):
                 reason = "left out: in a type annotation"
-            elif not is_valid_python(ROOT / file, mutation):
+            elif not is_valid_python(sources[file], mutation):
                 reason = "left out: not valid Python"
             if reason:
                 db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
@@ -360,8 +361,6 @@ def load_results(results: Path = RESULTS) -> dict[str, tuple[dict, list[dict]]]:
 def equivalent_key(record: dict) -> tuple[str, str, str, str]:
     """A mutation by its text. cosmic-ray writes a removed decorator's line with a varying run of "/" and blanks
     before the "@" (" / @staticmethod", "/ @staticmethod"): that prefix is dropped."""
-    import re
-
     original = re.sub(r"^[\s/]+(?=@)", "", record["original"].strip())
     return record["file"], record["operator"], original, record["mutated"]
 

@@ -31,6 +31,14 @@ def _with(**changes):
     return kwargs
 
 
+def _otb_inputs(good):
+    return {k: good[k] for k in ("old_log_probs", "sum_pi_squared")}
+
+
+# Log-probabilities whose energies differ from token to token and row to row (so that ε and the alignment matter).
+_UNEQUAL_LOG_PROBS = torch.tensor([[-0.1, -2.0, -0.5], [-1.0, -0.3, -0.2], [-0.05, -1.5, -0.9], [-0.7, -0.7, -0.7]])
+
+
 def _nan_at_valid(name):
     value = _good()[name].clone()
     value.view(-1)[0] = float("nan")
@@ -154,8 +162,7 @@ def test_verl_style_otb_functions_handle_the_zero_tail_by_default():
         without, _ = function(*args, handle_zero_tail=False)
         torch.testing.assert_close(default, with_tail, rtol=0, atol=0)
         assert not torch.equal(default, without), "the batch must have a zero tail for this test to mean anything"
-    log_probs = torch.tensor([[-0.1, -2.0, -0.5], [-1.0, -0.3, -0.2], [-0.05, -1.5, -0.9], [-0.7, -0.7, -0.7]])
-    args[3] = log_probs  # unequal energies, so that ε moves the baseline
+    args[3] = _UNEQUAL_LOG_PROBS  # unequal energies, so that ε moves the baseline
     for function in (compute_optimal_token_baseline_advantage, compute_multi_turn_optimal_token_baseline_advantage):
         default, _ = function(*args)
         torch.testing.assert_close(default, function(*args, epsilon=1e-8)[0], rtol=0, atol=0)
@@ -225,15 +232,11 @@ def test_a_mask_whose_non_binary_terms_cancel_is_refused(outlier, halves):
         compute_advantages("otb", good["token_level_rewards"], mask, good["index"], **_otb_inputs(good))
 
 
-def _otb_inputs(good):
-    return {k: good[k] for k in ("old_log_probs", "sum_pi_squared")}
-
-
 def test_the_four_leading_arguments_take_keywords_and_the_inputs_only_keywords():
     """compute_advantages(estimator, token_level_rewards, response_mask, index, *, inputs...): the leading four may
     be named (as verl's callers do); an input passed by position is refused rather than bound to the wrong name."""
     good = _good()
-    inputs = dict(old_log_probs=good["old_log_probs"], sum_pi_squared=good["sum_pi_squared"])
+    inputs = _otb_inputs(good)
     leading = {k: good[k] for k in ("token_level_rewards", "response_mask", "index")}
     by_name, _ = compute_advantages(estimator="otb", **leading, **inputs)
     by_position, _ = compute_advantages("otb", *leading.values(), **inputs)
@@ -249,9 +252,9 @@ def test_the_multi_turn_verl_function_compares_generated_token_ranks():
 
     good = _holes()
     good["token_level_rewards"] = torch.tensor([[0.3, 0.0, 1.0], [0.5, 0.0, 0.2], [0.0, 0.4, 0.0], [1.0, 0.0, 0.0]])
-    good["old_log_probs"] = torch.tensor([[-0.1, -2.0, -0.5], [-1.0, -0.3, -0.2], [-0.05, -1.5, -0.9], [-0.7] * 3])
+    good["old_log_probs"] = _UNEQUAL_LOG_PROBS
     args = [good[k] for k in ("token_level_rewards", "response_mask", "index")]
-    inputs = dict(old_log_probs=good["old_log_probs"], sum_pi_squared=good["sum_pi_squared"])
+    inputs = _otb_inputs(good)
     got, _ = compute_multi_turn_optimal_token_baseline_advantage(*args, **inputs)
     want, _ = compute_advantages("otb", *args, **inputs, multi_turn=True, handle_zero_tail=True)
     by_position, _ = compute_advantages("otb", *args, **inputs, multi_turn=False, handle_zero_tail=True)

@@ -171,14 +171,13 @@ def test_a_statement_run_at_import_runs_every_test_of_the_module():
         ("core/ReplaceUnaryOperator_Invert_USub", 0, True),  # a & -b
     ],
 )
-def test_mutants_that_are_not_python_are_recognised(tmp_path, operator, occurrence, valid):
+def test_mutants_that_are_not_python_are_recognised(operator, occurrence, valid):
     pytest.importorskip("cosmic_ray")
     from types import SimpleNamespace
 
-    path = tmp_path / "m.py"
-    path.write_text("def f(a, *, b):\n    return a * b & ~b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n")
+    source = "def f(a, *, b):\n    return a * b & ~b\n\n\ndef g(d):\n    return {**d, 'x': 2 ** 3}\n"
     mutation = SimpleNamespace(operator_name=operator, operator_args={}, occurrence=occurrence)
-    assert score.is_valid_python(path, mutation) is valid
+    assert score.is_valid_python(source, mutation) is valid
 
 
 def test_a_removed_decorator_is_one_key_whatever_prefix_cosmic_ray_writes():
