@@ -67,6 +67,7 @@ class Run:
     prompt_positions: list[int]  # this rank's prompts within a step
     global_rows: torch.Tensor  # [B] this rank's rows of the step's global batch
     micro: list[slice]  # micro-batches of this rank's rows; none straddles a mini-batch
+    parameters: int  # the policy's parameter count (all ranks): 6 x this x tokens is the update's model FLOPs
     metrics_log: JsonlLog | None = None
     samples_log: JsonlLog | None = None
     progress: object = None
@@ -233,7 +234,8 @@ def accumulate_gradients(run: Run, batch: Batch, mini: slice) -> dict[str, float
     cfg, b = run.cfg, batch
     global_tokens = float(distributed.all_reduce([float(b.mask[mini].sum())])[0])
     norm = dict(global_tokens=global_tokens, global_sequences=(mini.stop - mini.start) * run.env.world_size)
-    sums = dict.fromkeys(("loss", "clip_fraction", "approx_kl", "kl_ref"), 0.0)
+    zero = torch.zeros((), dtype=torch.float64, device=run.env.device)
+    sums = dict.fromkeys(("loss", "clip_fraction", "approx_kl", "kl_ref"), zero)  # device values: no host read here
     for rows in (r for r in run.micro if mini.start <= r.start < mini.stop):
         log_probs, _ = run.policy(b.sequences[rows], b.attention[rows], b.positions[rows], targets=b.response_ids[rows])
         loss, stats = clipped_policy_loss(
@@ -249,12 +251,13 @@ def accumulate_gradients(run: Run, batch: Batch, mini: slice) -> dict[str, float
         if run.reference is not None:
             kl = kl_penalty(log_probs, b.ref_log_probs[rows], cfg.kl_estimator)
             loss = loss + cfg.kl_coef * aggregate(kl, b.mask[rows], cfg.loss_agg, **norm)
-            sums["kl_ref"] += float(aggregate(kl.detach(), b.mask[rows], "token-mean", **norm))
+            sums["kl_ref"] = sums["kl_ref"] + aggregate(kl.detach(), b.mask[rows], "token-mean", **norm)
         loss.backward()
-        sums["loss"] += float(loss.detach())
-        sums["clip_fraction"] += float(stats["clipped_tokens"]) / global_tokens
-        sums["approx_kl"] += float(stats["approx_kl_sum"]) / global_tokens
-    return sums
+        sums["loss"] = sums["loss"] + loss.detach()
+        sums["clip_fraction"] = sums["clip_fraction"] + stats["clipped_tokens"] / global_tokens
+        sums["approx_kl"] = sums["approx_kl"] + stats["approx_kl_sum"] / global_tokens
+    values = torch.stack([value.double() for value in sums.values()]).tolist()  # one host read per mini-batch
+    return dict(zip(sums, values))
 
 
 def update(run: Run, batch: Batch, step: int, state: dict) -> dict[str, float]:
@@ -315,6 +318,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "reward": float(b.scores.sum()),
         "reward_sq": float(b.scores.square().sum()),
         "tokens": float(lengths.sum()),
+        "sequence_tokens": float(b.attention.sum()),  # prompt + response tokens, no padding
         "truncated": float((~b.finished).sum()),
         "zero_variance_groups": float((group_scores.amax(dim=1) == group_scores.amin(dim=1)).sum()),
         "neg_log_prob": float(torch.where(b.mask, -b.old_log_probs, 0.0).sum()),  # sampled-token entropy estimate
@@ -328,6 +332,7 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
         "step": step,
         "tokens": state["tokens"] + int(generated),
         "generated_tokens": int(generated),
+        "sequence_tokens": int(total["sequence_tokens"]),
         "reward_mean": reward_mean,
         "reward_std": math.sqrt(max(0.0, total["reward_sq"] / count - reward_mean**2)),
         "response_length_mean": generated / count,
@@ -354,14 +359,20 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float], step: int, sta
     }
 
 
-def add_timings(record: dict, times: dict[str, float], epochs: int) -> None:
-    """Wall-clock seconds per phase and throughputs (the only non-deterministic fields of a record)."""
+def add_timings(record: dict, times: dict[str, float], epochs: int, parameters: int) -> None:
+    """Wall-clock seconds per phase and throughputs (the only non-deterministic fields of a record).
+
+    ``throughput/update_model_tflops``: the update's model FLOPs per second, 6 x parameters x non-pad prompt and
+    response tokens x epochs / its time (1e12 FLOP/s units); over a device's peak, the update's MFU.
+    """
     phases = list(times)
     for before, after in zip(phases, phases[1:]):
         record[f"time/{after}"] = times[after] - times[before]
     record["time/step"] = times[phases[-1]] - times[phases[0]]
     record["throughput/generation_tokens_per_s"] = record["generated_tokens"] / record["time/rollout"]
     record["throughput/update_tokens_per_s"] = record["generated_tokens"] * epochs / record["time/update"]
+    flops = 6 * parameters * record["sequence_tokens"] * epochs
+    record["throughput/update_model_tflops"] = flops / record["time/update"] / 1e12
 
 
 def write_samples(run: Run, batch: Batch, step: int) -> None:
@@ -415,17 +426,20 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: distributed.Dist) -
     lm, tokenizer, eos_ids, pad_id = build_model_and_tokenizer(cfg)
     if data is not None:
         check_prompts(cfg, data, line_numbers, tokenizer)
-    if cfg.static_decode and (why := static_decode_unsupported(lm)):
-        raise UserError(f"--static-decode: {why}")
+    cfg.static_decode = use_static_decode(cfg, lm, env)  # resolved: config.json records the decoder that ran
     lm.eval()  # no dropout in RL: generation, old log-probs and the loss see the same function
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and env.device.type == "cuda")
     # "otb_exact" needs ||S_t||^2 at every token: otb_ref.exact on a full copy (small models only). "eob" needs
     # ||S||^2 per response: one forward + backward of the sharded policy itself (otb_ref.row_grad_norms_sq).
     exact_lm = copy.deepcopy(lm).to(env.device) if cfg.estimator == "otb_exact" else None
     ref_lm = copy.deepcopy(lm).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen initial policy
-    policy = shard_policy(cfg, lm, env, bf16, cfg.activation_checkpointing)
-    reference = shard_policy(cfg, ref_lm, env, bf16, False) if ref_lm is not None else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+    policy = shard_policy(cfg, lm, env, bf16, cfg.activation_checkpointing, cfg.compile_layers)
+    reference = shard_policy(cfg, ref_lm, env, bf16, False, False) if ref_lm is not None else None
+    # fused: one kernel for the whole AdamW update on CUDA (no per-tensor launches; the same update rule)
+    fused = env.device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), fused=fused
+    )
     positions, n = local_prompt_positions(cfg, env), cfg.group_size
     rows_per_mini = len(positions) * n // cfg.mini_batches
     micro = [
@@ -449,8 +463,22 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: distributed.Dist) -
         prompt_positions=positions,
         global_rows=torch.tensor([p * n + i for p in positions for i in range(n)]),
         micro=micro,
+        parameters=sum(p.numel() for p in policy.parameters()),  # a DTensor's numel is the full tensor's
     )
     return run, first
+
+
+def use_static_decode(cfg: Config, lm: nn.Module, env: distributed.Dist) -> bool:
+    """--static-decode: on when asked (refused for a model it cannot run); by default on CUDA whenever the model is
+    supported (the same float64 sampler either way), else the model's own forward, saying why on CUDA."""
+    why = static_decode_unsupported(lm)
+    if cfg.static_decode and why:
+        raise UserError(f"--static-decode: {why}")
+    if cfg.static_decode is not None:
+        return cfg.static_decode
+    if env.device.type == "cuda" and why and env.is_main:
+        print(f"train.py: generating with the model's own forward (static decode: {why})", file=sys.stderr)
+    return env.device.type == "cuda" and why is None
 
 
 def restore(run: Run) -> tuple[dict, Path | None]:
@@ -548,7 +576,7 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
         times["update"] = sync(env)
 
         record = step_metrics(run, batch, stats, step, state)
-        add_timings(record, times, cfg.epochs)
+        add_timings(record, times, cfg.epochs, run.parameters)
         state.update(
             step=step,
             tokens=record["tokens"],

@@ -28,26 +28,11 @@ import torch
 from common import sample_synthetic
 from otb_train.config import parse_config
 from otb_train.model import build_model_and_tokenizer
-from otb_train.tasks import CharTokenizer, synthetic_problem
+from otb_train.tasks import CharTokenizer, hugging_face_char_tokenizer, synthetic_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
 EVAL_SEED_OFFSET = 10_000  # held-out prompts: another seed of the same stream
-
-
-def char_tokenizer_for_hf():
-    """The CharTokenizer vocabulary as a Hugging Face fast tokenizer (same ids, no special tokens added)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = CharTokenizer()
-    vocab = {"<pad>": chars.pad_token_id, "<eos>": chars.eos_token_id}
-    vocab.update({c: i + 2 for i, c in enumerate(chars.characters)})
-    backend = Tokenizer(models.WordLevel(vocab))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<pad>", "<eos>")])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
 def supervised_batch(task: str, seed: int, start: int, size: int, copy_lengths, tokenizer: CharTokenizer):
@@ -132,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm.eval()
     args.out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(args.out)
-    char_tokenizer_for_hf().save_pretrained(args.out)
+    hugging_face_char_tokenizer().save_pretrained(args.out)
     record = {
         "command": "python experiments/warm_start.py " + " ".join(sys.argv[1:] if argv is None else argv),
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -121,7 +121,12 @@ class Config:
         "auto", "auto: bf16 parameters (fp32 reductions) on GPU, fp32 on CPU", ("auto", "bf16", "fp32")
     )
     activation_checkpointing: bool = _flag(False, "recompute decoder-layer activations in backward")
-    static_decode: bool = _flag(False, "generate with otb_train.static_decode (static KV cache, CUDA graphs on GPU)")
+    static_decode: bool | None = _flag(
+        None,
+        "generate with otb_train.static_decode (static KV cache, CUDA graphs on GPU); default: on with CUDA when the "
+        "model is supported, off on CPU",
+    )
+    compile_layers: bool = _flag(False, "torch.compile each decoder layer (the first steps compile)")
     logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
     sample_every: int = _flag(
         10, "write prompts, responses and rewards to samples.jsonl every this many steps (0: never)"

@@ -95,17 +95,26 @@ def barrier() -> None:
 
 
 def shard(
-    model: nn.Module, layers: list[nn.Module], env: Dist, *, bf16: bool, activation_checkpointing: bool
+    model: nn.Module,
+    layers: list[nn.Module],
+    env: Dist,
+    *,
+    bf16: bool,
+    activation_checkpointing: bool,
+    compile_layers: bool = False,
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` each of ``layers`` (in place), then ``model`` as the root.
 
-    ``layers`` are the decoder layers (children of ``model``); with
-    ``activation_checkpointing`` each is wrapped first so that its activations
-    are recomputed in backward. Gradients are reduced with a plain SUM.
+    ``layers`` are the decoder layers (children of ``model``); with ``compile_layers`` each is compiled in place
+    (``nn.Module.compile``: parameter names and the module tree stay as they are, FSDP's hooks run outside the
+    compiled graph); with ``activation_checkpointing`` each is then wrapped so that its activations are recomputed
+    in backward. Gradients are reduced with a plain SUM.
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
+    for layer in layers if compile_layers else ():
+        layer.compile()
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -145,8 +145,12 @@ def build_model_and_tokenizer(cfg: Config):
     return lm, tokenizer, eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 
-def shard_policy(cfg: Config, lm: nn.Module, env: distributed.Dist, bf16: bool, checkpointing: bool) -> nn.Module:
+def shard_policy(
+    cfg: Config, lm: nn.Module, env: distributed.Dist, bf16: bool, checkpointing: bool, compile_layers: bool
+) -> nn.Module:
     """FSDP2 over the decoder layers, then the Policy root; fully_shard moves each unit to the device."""
     layers = [m for m in lm.modules() if type(m).__name__ in (getattr(lm, "_no_split_modules", None) or ())]
     policy = Policy(lm, cfg.temperature, cfg.logprob_chunk_size or None)
-    return distributed.shard(policy, layers, env, bf16=bf16, activation_checkpointing=checkpointing)
+    return distributed.shard(
+        policy, layers, env, bf16=bf16, activation_checkpointing=checkpointing, compile_layers=compile_layers
+    )

@@ -46,6 +46,7 @@ from typing import NamedTuple
 __all__ = [
     "SYNTHETIC_TASKS",
     "CharTokenizer",
+    "hugging_face_char_tokenizer",
     "Problem",
     "synthetic_problem",
     "synthetic_reward",
@@ -93,6 +94,21 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``ids -> text``; pad and EOS are always skipped (the argument mirrors Hugging Face's)."""
         return "".join(self.characters[i - 2] for i in ids if i >= 2)
+
+
+def hugging_face_char_tokenizer():
+    """The CharTokenizer vocabulary as a Hugging Face fast tokenizer (same ids, no special tokens added)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = CharTokenizer()
+    vocab = {"<pad>": chars.pad_token_id, "<eos>": chars.eos_token_id}
+    vocab.update({c: i + 2 for i, c in enumerate(chars.characters)})
+    backend = Tokenizer(models.WordLevel(vocab))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<pad>", "<eos>")])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
 def synthetic_problem(task: str, seed: int, index: int, copy_lengths: tuple[int, int] = (1, 4)) -> Problem:

@@ -666,16 +666,13 @@ def test_plot_labels_come_from_each_runs_config(tmp_path):
 def test_character_tokenizer_of_a_qwen2_checkpoint_keeps_spaces(tmp_path):
     """A generic fast tokenizer saved next to a Qwen2 model encodes as its tokenizer.json says (no byte-level
     pre-tokenizer of the model type dropping the spaces), as the built-in CharTokenizer does."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import warm_start
-
-    from otb_train.tasks import CharTokenizer
+    from otb_train.tasks import CharTokenizer, hugging_face_char_tokenizer
 
     model = _tiny_hf_checkpoint(tmp_path / "model")
     for file in model.iterdir():
         if "token" in file.name or "chat" in file.name:
             file.unlink()
-    warm_start.char_tokenizer_for_hf().save_pretrained(model)
+    hugging_face_char_tokenizer().save_pretrained(model)
     tokenizer = load_tokenizer(str(model))
     assert encode_prompt(tokenizer, "37  =") == CharTokenizer().encode("37  =")
     assert tokenizer.decode([5, 9, 14, 1, 0], skip_special_tokens=True) == "37 "

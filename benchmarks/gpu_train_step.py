@@ -1,0 +1,246 @@
+"""train.py on one GPU, measured by running train.py itself. One JSON record per line.
+
+    python benchmarks/gpu_train_step.py --out benchmarks/results/gpu_train_step.jsonl   # one GPU: ~5 minutes
+    python benchmarks/gpu_train_step.py --quick      # tiny shapes through every case (CPU or GPU, ~1 minute)
+
+Each case writes a random-init checkpoint (Qwen2 shapes below, the character tokenizer of the synthetic tasks,
+``otb_train.tasks.hugging_face_char_tokenizer``) and runs ``train.py --model <it>`` in a subprocess on the copy
+task with ``--copy-lengths 255 511`` (left-padded prompts of 256-512 tokens), ``--max-new-tokens 512`` and
+``--prompts-per-step 64 --group-size 8`` (512 rows; 256 for train_step), two steps, outputs under /dev/shm. The
+checkpoint's EOS never wins a draw (its LM-head row is zero and the other rows are scaled up ``EOS_MARGIN``-fold,
+so the EOS probability is below e^-20 per token), so every response runs to the 512-token cap, as in
+``benchmarks/gpu_train_paths.py``; the sampled distribution is still exactly the model's.
+
+``bench: "generation"`` — the width-1024 × 16-layer model of ``gpu_train_paths.py`` (~250M parameters; vocabulary
+64 here, 15 there), train.py's defaults (``static_decode`` left unset: on CUDA the static decoder with CUDA graphs,
+float64 sampling, the reference sampler of ``otb_train.rollout``). ``tokens_per_s`` is train.py's own
+``throughput/generation_tokens_per_s`` (generated tokens / the rollout phase, graph capture and scoring included)
+of each step; ``default_in_train``: config.json records ``static_decode: true`` though the flag was not given.
+
+``bench: "train_step"`` — Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads of 64, 2 KV heads, intermediate
+4864, vocabulary 151936, tied embeddings): seconds of each phase of train.py's step (``rollout``: generation and
+scoring; ``logprobs``: old log-probs with Σπ²; ``advantages``; ``update``), end-to-end tokens/s (prompt and
+response tokens of the step / its seconds) and ``mfu`` = train.py's ``throughput/update_model_tflops``
+(6 × parameters × non-pad tokens / update seconds) / ``--peak-tflops``; per ``variant`` (micro-batch rows,
+``--compile-layers``). Step 1 includes compilation and allocator warm-up; read step 2.
+
+``bench: "torchrun"`` — ``torchrun --standalone --nproc_per_node=1 train.py`` (NCCL on CUDA), the built-in model.
+
+Every case is guarded: a failure or a timeout prints ``{"error": ...}`` with the end of train.py's stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
+
+EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
+GENERATION = dict(hidden=1024, layers=16, heads=64, kv_heads=32, intermediate=4096, vocab=64, tied=False)
+QWEN_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True)
+QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=64, tied=False)
+ROLLOUT = ["--prompts-per-step", "64", "--group-size", "8", "--max-new-tokens", "512", "--copy-lengths", "255", "511"]
+ROLLOUT_QUICK = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "16", "--copy-lengths", "4", "8"]
+STEP_ROWS = ["--prompts-per-step", "32"]  # train_step: 256 rows (32 prompts x 8)
+VARIANTS = {  # train_step variants: extra train.py flags
+    "micro16": ["--micro-batch-size", "16"],
+    "micro16_compiled": ["--micro-batch-size", "16", "--compile-layers"],
+    "micro32_compiled": ["--micro-batch-size", "32", "--compile-layers"],
+    "micro32": ["--micro-batch-size", "32"],
+    "micro64": ["--micro-batch-size", "64"],
+    "micro64_compiled": ["--micro-batch-size", "64", "--compile-layers"],
+}
+
+
+def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> int:
+    """A random-init Qwen2 of ``shape`` whose EOS never wins a draw, with the character tokenizer; its parameters."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = hugging_face_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=shape["tied"],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    lm = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        head = lm.get_output_embeddings().weight
+        head.mul_(EOS_MARGIN)
+        head[tokenizer.eos_token_id] = 0.0
+    lm.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return sum(p.numel() for p in lm.parameters())
+
+
+def run_train(command: list[str], output_dir: Path, timeout_s: float) -> tuple[list[dict], dict, str]:
+    """(metrics records, config.json, stderr tail) of one train.py run; raises with stderr's tail on failure."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+    if done.returncode != 0:
+        raise RuntimeError(f"exit status {done.returncode}: {tail}")
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, json.loads((output_dir / "config.json").read_text()), tail
+
+
+class Bench:
+    """Prints (and appends to ``--out``) one record per case, with the machine and the command."""
+
+    def __init__(self, out: str | None):
+        cuda = torch.cuda.is_available()
+        self.common = {
+            "machine": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or 'unknown'})",
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "bench_command": "python " + " ".join(["benchmarks/gpu_train_step.py", *sys.argv[1:]]),
+        }
+        self.out = open(out, "a") if out else None
+
+    def emit(self, record: dict) -> None:
+        line = json.dumps({**record, **self.common})
+        print(line, flush=True)
+        if self.out:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+
+def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str]) -> list[str]:
+    common = ["--steps", "2", "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
+    model = ["--model", str(checkpoint), "--lr", "1e-6"] if checkpoint else []
+    rollout = ROLLOUT_QUICK if args.quick else ROLLOUT
+    return [sys.executable, "train.py", *model, *rollout, *common, *extra]
+
+
+def case_generation(bench: Bench, args, scratch: Path) -> None:
+    checkpoint, output_dir = scratch / "generation_model", scratch / "generation_run"
+    parameters = write_checkpoint(checkpoint, QUICK if args.quick else GENERATION)
+    command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"])
+    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    for record in records:
+        bench.emit(
+            {
+                "bench": "generation",
+                "step": record["step"],
+                "default_in_train": config["static_decode"] is True,
+                "static_decode": config["static_decode"],
+                "rows": config["prompts_per_step"] * config["group_size"],
+                "max_new_tokens": config["max_new_tokens"],
+                "generated_tokens": record["generated_tokens"],
+                "truncated_fraction": record["truncated_fraction"],
+                "rollout_s": round(record["time/rollout"], 3),
+                "tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
+                "parameters": parameters,
+                "command": " ".join(["python", *command[1:]]),
+            }
+        )
+
+
+def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant: str) -> None:
+    output_dir = scratch / f"step_{variant}"
+    command = train_command(args, checkpoint, output_dir, [*([] if args.quick else STEP_ROWS), *VARIANTS[variant]])
+    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    for record in records:
+        phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
+        tflops = record["throughput/update_model_tflops"]
+        bench.emit(
+            {
+                "bench": "train_step",
+                "variant": variant,
+                "step": record["step"],
+                "seconds": phases,
+                "step_s": round(record["time/step"], 3),
+                "sequence_tokens": record["sequence_tokens"],
+                "generated_tokens": record["generated_tokens"],
+                "tokens_per_s": round(record["sequence_tokens"] / record["time/step"], 1),
+                "generation_tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
+                "update_model_tflops": round(tflops, 1),
+                "mfu": round(tflops / args.peak_tflops, 4),
+                "peak_tflops": args.peak_tflops,
+                "static_decode": config["static_decode"],
+                "micro_batch_size": config["micro_batch_size"],
+                "compile_layers": config["compile_layers"],
+                "command": " ".join(["python", *command[1:]]),
+            }
+        )
+
+
+def case_torchrun(bench: Bench, args, scratch: Path) -> None:
+    output_dir = scratch / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+    command += ["--steps", "3", "--output-dir", str(output_dir), "--sample-every", "0"]
+    started = time.perf_counter()
+    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    checkpoints = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
+    bench.emit(
+        {
+            "bench": "torchrun",
+            "backend": "nccl" if torch.cuda.is_available() else "gloo",
+            "steps": len(records),
+            "checkpoints": checkpoints,
+            "reward_mean_last": records[-1]["reward_mean"],
+            "wall_s": round(time.perf_counter() - started, 1),
+            "command": "torchrun --standalone --nproc_per_node=1 train.py " + " ".join(command[6:]),
+        }
+    )
+
+
+def guarded(bench: Bench, labels: dict, fn) -> None:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - one failing case must not stop the others
+        bench.emit({**labels, "error": f"{type(error).__name__}: {error}"[-3000:]})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU or GPU)")
+    parser.add_argument("--out", help="also append the records to this JSONL file")
+    parser.add_argument("--only", nargs="+", choices=("torchrun", "generation", "train_step"))
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    parser.add_argument("--case-timeout", type=float, default=170.0, help="seconds per train.py run")
+    args = parser.parse_args(argv)
+    bench = Bench(args.out)
+    only = set(args.only or ("torchrun", "generation", "train_step"))
+    scratch = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="otb_bench_"))
+    try:
+        if "torchrun" in only:
+            guarded(bench, {"bench": "torchrun"}, lambda: case_torchrun(bench, args, scratch))
+        if "generation" in only:
+            guarded(bench, {"bench": "generation"}, lambda: case_generation(bench, args, scratch))
+        if "train_step" in only:
+            checkpoint = scratch / "qwen05b_shape"
+            write_checkpoint(checkpoint, QUICK if args.quick else QWEN_05B)
+            for variant in args.variants:
+                labels = {"bench": "train_step", "variant": variant}
+                guarded(bench, labels, lambda v=variant: case_train_step(bench, args, scratch, checkpoint, v))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
