@@ -8,6 +8,7 @@ behaviour (exit codes, one-line errors, the progress bar, torchrun) is tested in
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,8 @@ def test_python_train_py_runs_and_writes_metrics_and_a_checkpoint(tmp_path):
     for record in records:
         assert REQUIRED_KEYS <= set(record)
         assert record["response_length_max"] <= 8 and 1 <= record["response_length_mean"] <= 8
+        # non-pad tokens of the update: 16 rows of a 5-token copy prompt ("37  =": --copy-lengths 1 4) + responses
+        assert record["sequence_tokens"] == 16 * 5 + record["generated_tokens"]
     assert records[1]["tokens"] == records[0]["tokens"] + round(records[1]["response_length_mean"] * 16)
     assert checkpoints.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_00000002"
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]  # step 1 pruned
@@ -336,8 +339,49 @@ def test_every_estimator_runs_a_step(tmp_path, estimator):
     assert record["skipped"] == 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
 
+def _train_namespace() -> dict:
+    """train.py's functions, from its file (nothing imports it as a module)."""
+    return runpy.run_path(str(ROOT / "train.py"), run_name="train_script")
+
+
+def test_static_decode_is_on_by_default_with_cuda_for_a_supported_model(capsys):
+    """--static-decode unset: the static decoder on CUDA when the model is supported (else the model's forward,
+    said once), the model's forward on CPU; given, the flag wins; asked for a model it cannot run, one UserError
+    naming the flag."""
+    import transformers
+
+    use = _train_namespace()["use_static_decode"]
+    env = {kind: distributed.Dist(0, 1, 0, torch.device(kind), None) for kind in ("cpu", "cuda")}
+    qwen = tiny_causal_lm("qwen2")
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    unset, on, off = (parse_config(flags) for flags in ([], ["--static-decode"], ["--no-static-decode"]))
+    assert unset.static_decode is None
+    assert use(unset, qwen, env["cuda"]) is True and use(unset, qwen, env["cpu"]) is False
+    assert use(on, qwen, env["cpu"]) is True and use(off, qwen, env["cuda"]) is False
+    assert capsys.readouterr().err == ""
+    assert use(unset, gpt2, env["cuda"]) is False
+    assert "model's own forward (static decode: model_type 'gpt2'" in capsys.readouterr().err
+    assert use(unset, gpt2, env["cpu"]) is False and capsys.readouterr().err == ""
+    with pytest.raises(UserError, match="--static-decode: model_type 'gpt2'"):
+        use(on, gpt2, env["cuda"])
+
+
+def test_update_model_flops_are_six_per_parameter_and_non_pad_token():
+    """add_timings: seconds per phase, and the update's model FLOP rate 6 x parameters x non-pad tokens x epochs
+    / update seconds (the MFU numerator of benchmarks/gpu_train_step.py)."""
+    add_timings = _train_namespace()["add_timings"]
+    record = {"generated_tokens": 30, "sequence_tokens": 100}
+    add_timings(record, {"start": 1.0, "rollout": 2.0, "logprobs": 2.5, "advantages": 2.75, "update": 4.75}, 3, 10**9)
+    assert [record[f"time/{k}"] for k in ("rollout", "logprobs", "advantages", "update", "step")] == [
+        1.0, 0.5, 0.25, 2.0, 3.75
+    ]  # fmt: skip
+    assert record["throughput/generation_tokens_per_s"] == 30.0 and record["throughput/update_tokens_per_s"] == 45.0
+    assert record["throughput/update_model_tflops"] == 6 * 10**9 * 100 * 3 / 2.0 / 1e12
+
+
 def test_static_decode_gives_the_same_rollouts(tmp_path):
-    """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward."""
+    """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward;
+    config.json records the decoder that ran (the default on CPU: the model's forward)."""
     runs = {}
     for name, extra in (("forward", []), ("static", ["--static-decode"])):
         run_train(
@@ -352,6 +396,8 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
             dump=str(tmp_path / f"d_{name}"),
         )
         runs[name] = [dumped_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
+    for name, expected in (("forward", False), ("static", True)):
+        assert json.loads((tmp_path / name / "config.json").read_text())["static_decode"] is expected
     for forward, static in zip(runs["forward"], runs["static"]):
         assert torch.equal(forward["response_ids"], static["response_ids"])
         torch.testing.assert_close(forward["advantages"], static["advantages"], rtol=0, atol=0)
@@ -690,3 +736,30 @@ def test_no_baseline_control_gives_the_return_and_update_norm_is_the_parameter_c
     torch.testing.assert_close(rows["advantages"], expected)
     record = metrics(run)[0]
     assert record["grad_norm"] > 0 and record["update_norm"] > 0
+
+
+def test_compile_layers_compiles_each_decoder_layer_in_place_and_computes_the_same_log_probs():
+    """--compile-layers (distributed.shard's compile_layers): every decoder layer compiled in place, so parameter
+    names (what checkpoints and otb_exact's state dict use) stay; the sharded policy's log-probs and Σπ² equal the
+    uncompiled policy's to float32 rounding (compiled kernels may fuse and reorder float32 sums: 1e-5)."""
+    from otb_train.model import shard_policy
+
+    cfg = parse_config(["--device", "cpu"])
+    env = distributed.init("cpu")
+    try:
+        plain, compiled = (
+            shard_policy(cfg, tiny_causal_lm("qwen2", num_hidden_layers=2), env, False, False, compile_layers)
+            for compile_layers in (False, True)
+        )
+        layers = [layer for layer in compiled.lm.model.layers]
+        assert all(layer._compiled_call_impl is not None for layer in layers)
+        assert all(layer._compiled_call_impl is None for layer in plain.lm.model.layers)
+        assert list(compiled.state_dict()) == list(plain.state_dict())
+        ids = torch.randint(2, 16, (3, 7), generator=torch.Generator().manual_seed(0))
+        mask, positions = torch.ones_like(ids, dtype=torch.bool), torch.arange(7).expand(3, 7)
+        with torch.no_grad():
+            want, got = (policy(ids, mask, positions, targets=ids[:, 3:]) for policy in (plain, compiled))
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    finally:
+        distributed.shutdown()
