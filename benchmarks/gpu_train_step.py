@@ -129,7 +129,7 @@ class Bench:
 
 
 def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str]) -> list[str]:
-    common = ["--steps", "2", "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
+    common = ["--steps", str(args.steps), "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
     model = ["--model", str(checkpoint), "--lr", "1e-6"] if checkpoint else []
     rollout = ROLLOUT_QUICK if args.quick else ROLLOUT
     return [sys.executable, "train.py", *model, *rollout, *common, *extra]
@@ -165,7 +165,7 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
     records, config, _ = run_train(command, output_dir, args.case_timeout)
     for record in records:
         phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
-        tflops = record["throughput/update_model_tflops"]
+        tflops, cuda_run = record["throughput/update_model_tflops"], "memory/peak_allocated_gib" in record
         bench.emit(
             {
                 "bench": "train_step",
@@ -178,6 +178,7 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
                 "tokens_per_s": round(record["sequence_tokens"] / record["time/step"], 1),
                 "generation_tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "update_model_tflops": round(tflops, 1),
+                "peak_allocated_gib": round(record["memory/peak_allocated_gib"], 2) if cuda_run else None,
                 "mfu": round(tflops / args.peak_tflops, 4),
                 "peak_tflops": args.peak_tflops,
                 "static_decode": config["static_decode"],
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also append the records to this JSONL file")
     parser.add_argument("--only", nargs="+", choices=("torchrun", "generation", "train_step"))
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=2, help="train.py steps per run (the first compiles)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--case-timeout", type=float, default=170.0, help="seconds per train.py run")
     args = parser.parse_args(argv)
