@@ -1,15 +1,16 @@
 """train.py on one GPU, measured by running train.py itself. One JSON record per line.
 
-    python benchmarks/gpu_train_step.py --out benchmarks/results/gpu_train_step.jsonl   # one GPU: ~5 minutes
+    python benchmarks/gpu_train_step.py --out benchmarks/results/gpu_train_step_h200.jsonl   # one GPU: ~6 minutes
     python benchmarks/gpu_train_step.py --quick      # tiny shapes through every case (CPU or GPU, ~1 minute)
 
 Each case writes a random-init checkpoint (Qwen2 shapes below, the character tokenizer of the synthetic tasks,
 ``otb_train.tasks.hugging_face_char_tokenizer``) and runs ``train.py --model <it>`` in a subprocess on the copy
-task with ``--copy-lengths 255 511`` (left-padded prompts of 256-512 tokens), ``--max-new-tokens 512`` and
-``--prompts-per-step 64 --group-size 8`` (512 rows; 256 for train_step), two steps, outputs under /dev/shm. The
-checkpoint's EOS never wins a draw (its LM-head row is zero and the other rows are scaled up ``EOS_MARGIN``-fold,
-so the EOS probability is below e^-20 per token), so every response runs to the 512-token cap, as in
-``benchmarks/gpu_train_paths.py``; the sampled distribution is still exactly the model's.
+task with ``--copy-lengths 255 511`` (every prompt is the 511-character field and "=": 512 tokens),
+``--max-new-tokens 512`` and ``--prompts-per-step 64 --group-size 8`` (512 rows; 256 for train_step), two steps,
+outputs under /dev/shm. The checkpoint's EOS never wins a draw in practice (its LM-head row is zero and the other
+rows are scaled up ``EOS_MARGIN``-fold, logits of std ~25 against the EOS logit 0), so every response runs to the
+512-token cap (``truncated_fraction`` 1.0 in the records), as in ``benchmarks/gpu_train_paths.py``; the sampled
+distribution is still exactly the model's.
 
 ``bench: "generation"`` — the width-1024 × 16-layer model of ``gpu_train_paths.py`` (~250M parameters; vocabulary
 64 here, 15 there), train.py's defaults (``static_decode`` left unset: on CUDA the static decoder with CUDA graphs,
