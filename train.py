@@ -565,6 +565,8 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
     first_step, rewards, started = state["step"] + 1, [], time.perf_counter()
     for step in range(first_step, cfg.steps + 1):
         times = {"start": sync(env)}
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         batch = rollout(run, step, state["data_position"])
         score(run, batch)
         times["rollout"] = sync(env)
@@ -577,6 +579,8 @@ def train(cfg: Config, data: list[Problem] | None, line_numbers: list[int], env:
 
         record = step_metrics(run, batch, stats, step, state)
         add_timings(record, times, cfg.epochs, run.parameters)
+        if env.device.type == "cuda":  # this rank's largest allocation during the step, GiB
+            record["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         state.update(
             step=step,
             tokens=record["tokens"],

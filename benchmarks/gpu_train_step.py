@@ -1,15 +1,16 @@
 """train.py on one GPU, measured by running train.py itself. One JSON record per line.
 
-    python benchmarks/gpu_train_step.py --out benchmarks/results/gpu_train_step.jsonl   # one GPU: ~5 minutes
+    python benchmarks/gpu_train_step.py --out benchmarks/results/gpu_train_step_h200.jsonl   # one GPU: ~6 minutes
     python benchmarks/gpu_train_step.py --quick      # tiny shapes through every case (CPU or GPU, ~1 minute)
 
 Each case writes a random-init checkpoint (Qwen2 shapes below, the character tokenizer of the synthetic tasks,
 ``otb_train.tasks.hugging_face_char_tokenizer``) and runs ``train.py --model <it>`` in a subprocess on the copy
-task with ``--copy-lengths 255 511`` (left-padded prompts of 256-512 tokens), ``--max-new-tokens 512`` and
-``--prompts-per-step 64 --group-size 8`` (512 rows; 256 for train_step), two steps, outputs under /dev/shm. The
-checkpoint's EOS never wins a draw (its LM-head row is zero and the other rows are scaled up ``EOS_MARGIN``-fold,
-so the EOS probability is below e^-20 per token), so every response runs to the 512-token cap, as in
-``benchmarks/gpu_train_paths.py``; the sampled distribution is still exactly the model's.
+task with ``--copy-lengths 255 511`` (every prompt is the 511-character field and "=": 512 tokens),
+``--max-new-tokens 512`` and ``--prompts-per-step 64 --group-size 8`` (512 rows; 256 for train_step), two steps,
+outputs under /dev/shm. The checkpoint's EOS never wins a draw in practice (its LM-head row is zero and the other
+rows are scaled up ``EOS_MARGIN``-fold, logits of std ~25 against the EOS logit 0), so every response runs to the
+512-token cap (``truncated_fraction`` 1.0 in the records), as in ``benchmarks/gpu_train_paths.py``; the sampled
+distribution is still exactly the model's.
 
 ``bench: "generation"`` — the width-1024 × 16-layer model of ``gpu_train_paths.py`` (~250M parameters; vocabulary
 64 here, 15 there), train.py's defaults (``static_decode`` left unset: on CUDA the static decoder with CUDA graphs,
@@ -129,7 +130,7 @@ class Bench:
 
 
 def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str]) -> list[str]:
-    common = ["--steps", "2", "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
+    common = ["--steps", str(args.steps), "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
     model = ["--model", str(checkpoint), "--lr", "1e-6"] if checkpoint else []
     rollout = ROLLOUT_QUICK if args.quick else ROLLOUT
     return [sys.executable, "train.py", *model, *rollout, *common, *extra]
@@ -165,7 +166,7 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
     records, config, _ = run_train(command, output_dir, args.case_timeout)
     for record in records:
         phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
-        tflops = record["throughput/update_model_tflops"]
+        tflops, cuda_run = record["throughput/update_model_tflops"], "memory/peak_allocated_gib" in record
         bench.emit(
             {
                 "bench": "train_step",
@@ -178,6 +179,7 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
                 "tokens_per_s": round(record["sequence_tokens"] / record["time/step"], 1),
                 "generation_tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "update_model_tflops": round(tflops, 1),
+                "peak_allocated_gib": round(record["memory/peak_allocated_gib"], 2) if cuda_run else None,
                 "mfu": round(tflops / args.peak_tflops, 4),
                 "peak_tflops": args.peak_tflops,
                 "static_decode": config["static_decode"],
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also append the records to this JSONL file")
     parser.add_argument("--only", nargs="+", choices=("torchrun", "generation", "train_step"))
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=2, help="train.py steps per run (the first compiles)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--case-timeout", type=float, default=170.0, help="seconds per train.py run")
     args = parser.parse_args(argv)

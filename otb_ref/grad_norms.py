@@ -153,23 +153,21 @@ class _Tape:
     def __init__(self, model: nn.Module):
         self.layers = _supported_layers(model)
         self.calls: list[_Call] = []
-        self.recording_on = False
-        self.inner = False  # inside our own recomputation of a norm layer: record nothing
         self.total: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def recording(self):
+        """The forward hooks, for the objective's forward only (none is left during the backward, where norm layers
+        are recomputed)."""
         handles = [m.register_forward_hook(self._record) for m in self.layers]
-        self.recording_on = True
         try:
             yield
         finally:
-            self.recording_on = False
             for h in handles:
                 h.remove()
 
     def _record(self, module, args, output):
-        if not self.recording_on or self.inner or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # a call under no_grad puts nothing in the gradient
             return
         kind = self.layers[module]
         if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
@@ -210,11 +208,7 @@ class _Tape:
 
     def _hook(self, call: _Call):
         def on_grad(g: torch.Tensor) -> None:
-            self.inner = True
-            try:
-                self._add(call, g.detach())
-            finally:
-                self.inner = False
+            self._add(call, g.detach())
 
         return on_grad
 
@@ -331,7 +325,7 @@ def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _squared_norms(x: torch.Tensor) -> torch.Tensor:
     """``Σ x²`` over all but the first dim, accumulated in float64 without a float64 copy of ``x``. [B] float64."""
-    return torch.linalg.vector_norm(x.flatten(1), dim=1, dtype=torch.float64).square()
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1, dtype=torch.float64).square()
 
 
 def _row_blocks(rows: int, per_row: int):
@@ -400,10 +394,12 @@ def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def _affine_norm_input(call: _Call, verify: bool) -> torch.Tensor | None:
-    """``n(x)`` if the layer computes ``w ⊙ n(x) + b``, else None.
+    """``n(x)`` (the layer at ``w = 1, b = 0``) if the layer computes ``w ⊙ n(x) + b``, else None.
 
-    The form is verified against the recorded output on the first call of each layer class (``verify``) and
-    the answer remembered for the class.
+    The form is verified on the first call of each layer class (``verify``) and the answer remembered for the
+    class: the layer at a probe weight ``w_p`` (``0.5 … 1.5`` along the last dim, ``b = 0``) must equal
+    ``w_p ⊙ n(x)``, and ``w ⊙ n(x) + b`` the recorded output. The probe matters: a weight of ones (a norm at
+    init) cannot tell ``w ⊙ n`` from e.g. ``(1 + w) ⊙ n / 2``.
     """
     w = call.params["weight"]
     if w.dim() != 1 or w.shape != call.output.shape[-1:] or not _AFFINE_NORM_CLASSES.get(type(call.module), verify):
@@ -414,14 +410,20 @@ def _affine_norm_input(call: _Call, verify: bool) -> torch.Tensor | None:
     with torch.no_grad():
         normalized = functional_call(call.module, unit, (call.inputs,))
         if verify:
+            probe = torch.linspace(0.5, 1.5, w.shape[0], dtype=w.dtype, device=w.device)
+            probed = functional_call(call.module, {**unit, "weight": probe}, (call.inputs,))
             rebuilt = normalized * w + (call.params["bias"] if "bias" in call.params else 0)
-            output = call.output.detach()
-            tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(output.dtype, 2e-2)
-            scale = output.abs().amax().clamp_min(1e-30)
-            _AFFINE_NORM_CLASSES[type(call.module)] = bool((rebuilt - output).abs().amax() <= tolerance * scale)
-            if not _AFFINE_NORM_CLASSES[type(call.module)]:
+            affine = _close(probed, normalized * probe) and _close(rebuilt, call.output.detach())
+            _AFFINE_NORM_CLASSES[type(call.module)] = affine
+            if not affine:
                 return None
     return normalized
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """``max |got − want| ≤ tol × max |want|``, tol by dtype: 1e-10 (float64), 1e-5 (float32), 2e-2 (else)."""
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(want.dtype, 2e-2)
+    return bool((got - want).abs().amax() <= tolerance * want.abs().amax().clamp_min(1e-30))
 
 
 def _norm_layer_row_grads_vjp(call: _Call, g: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:

@@ -24,7 +24,9 @@ Supported: ``model_type`` in :data:`SUPPORTED` with full attention in every
 layer (:func:`static_decode_unsupported` says why not otherwise; callers fall
 back to the model's own forward).
 
-Measured on one H100 (torch 2.11, bf16, FSDP2 one rank; ``benchmarks/gpu_train_paths.py``): the
+train.py uses it by default on CUDA (``--static-decode`` / ``--no-static-decode``). Inside train.py on one H200
+(``benchmarks/gpu_train_step.py``, float64 sampling): 39.0k tokens/s at the shape below. Measured on one H100 (torch
+2.11, bf16, FSDP2 one rank; ``benchmarks/gpu_train_paths.py``, float32 sampling): the
 trainer's built-in model at width 1024 x 16 layers, 512 rows x 512 new tokens after prompts of up to
 512 tokens, generates 38.9k tokens/s with CUDA graphs (25.4k eager) against 4.1k for the model's own
 forward with a check after every token; the attention kernel is 77% of a decode step's GPU time.

@@ -68,7 +68,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def deterministic(record: dict) -> dict:
     """A metrics record without wall-clock fields."""
-    return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))}
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/", "memory/"))}
 
 
 # train.py's processes turn FutureWarnings (transformers' and torch's deprecations) into errors: `-W` for the

@@ -318,3 +318,250 @@ def test_benchmark_command_quick():
     record = records[0]
     assert record["one_pass_s"] > 0 and record["ordinary_s"] > 0 and record["loop_s"] > 0
     assert record["max_rel_diff_one_pass_vs_loop"] < 1e-5  # float32 model: rounding only
+
+
+# --------------------------------------------------------------------------- shared parameters, layer forms, rules
+
+
+class SharedLM(nn.Module):
+    """Every sharing the cross terms handle: an embedding called twice (once AFTER the tied head, so a pair starts
+    with the Linear), a Linear called twice, two Linears with one weight, a head tied to the embedding; plus a call
+    whose output never reaches the objective and one under no_grad (neither is part of the gradient)."""
+
+    def __init__(self, vocab: int = 13, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width, bias=False)
+        self.other = nn.Linear(width, width, bias=False)
+        self.other.weight = self.mix.weight
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids, attention_mask=None):
+        previous = torch.nn.functional.pad(input_ids[:, :-1], (1, 0))
+        h = self.embed(input_ids)
+        h = h + torch.tanh(self.mix(h)).cumsum(dim=1)
+        h = h + torch.tanh(self.mix(h)) + torch.tanh(self.other(h)).cumsum(dim=1)
+        self.mix(h)  # computed, never used
+        with torch.no_grad():
+            self.other(h)
+        logits = self.head(self.norm(h))
+        gate = torch.tanh(self.embed(previous).sum(dim=-1, keepdim=True))  # the embedding's second call
+        return logits * (1 + 0.5 * gate)
+
+
+def test_f3_every_kind_of_shared_parameter_gives_the_exact_norms():
+    """||G + H||² with the cross terms of Linear-Linear, Embedding-Embedding and Linear-Embedding sharing, in
+    either call order, equals a separate exact gradient per row."""
+    torch.manual_seed(11)
+    model = SharedLM().double()
+    ids, response, _ = padded_batch(seed=11, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_a_linear_bias_used_by_two_calls_is_refused():
+    """Sharing is supported between Linear and Embedding weights; a bias used twice raises, naming both uses."""
+    model = LayerNormLM().double()
+    forward = model.forward
+    model.forward = lambda input_ids, attention_mask=None: forward(input_ids) + model.mix(model.embed(input_ids)).sum()
+    with pytest.raises(ValueError, match=r"shared by Linear\.bias and Linear\.bias"):
+        sequence_grad_norms_sq(model, *padded_batch(seed=12, vocab=13)[:2])
+
+
+class GainNorm(nn.Module):
+    """An affine RMSNorm with one more trainable parameter (a scalar gain): not only weight and bias."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight, self.gain = nn.Parameter(torch.ones(width)), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.gain * self.weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
+class PositionNorm(nn.Module):
+    """A norm whose weight runs along positions (dim 1), not the last dim: w ⊙ n(x) does not broadcast."""
+
+    def __init__(self, positions: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(positions))
+
+    def forward(self, x):
+        return self.weight[:, None] * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
+class SmallOnePlusRMSNorm(OnePlusRMSNorm):
+    """(1 + w) ⊙ x / rms(x) × 1e-8: outputs far below 1 (the form check's tolerance is relative to them)."""
+
+    def forward(self, x):
+        return 1e-8 * super().forward(x)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, RTOL), (torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_exact_fallback(
+    dtype, rtol, monkeypatch
+):
+    """The documented rule of _norm_layer_row_grads: LayerNorm and RMSNorm (w ⊙ n(x) + b, w along the last dim) use
+    ∇w = Σ g ⊙ n; a (1 + w) norm (also with outputs of 1e-8), a norm with an extra parameter and one whose weight
+    runs along positions take the vmapped vector-Jacobian product. Either way the norms are exact (bf16: 10%)."""
+    monkeypatch.setattr(grad_norms, "_AFFINE_NORM_CLASSES", {})
+    fallback, real = [], grad_norms._norm_layer_row_grads_vjp
+    monkeypatch.setattr(
+        grad_norms, "_norm_layer_row_grads_vjp", lambda call, *a: fallback.append(call.module) or real(call, *a)
+    )
+    ids, response, _ = padded_batch(seed=13, vocab=13)
+    for norm, fast in [
+        (nn.RMSNorm(8), True),
+        (OnePlusRMSNorm(8), False),
+        (SmallOnePlusRMSNorm(8), False),
+        (GainNorm(8), False),
+        (PositionNorm(ids.shape[1]), False),
+    ]:
+        torch.manual_seed(13)
+        model = LayerNormLM()
+        model.norm_out = norm
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+            if isinstance(norm, OnePlusRMSNorm):
+                norm.weight.fill_(1.0)  # w = 1: only the probe weight tells (1 + w) ⊙ n from w ⊙ (2n)
+        model = model.to(dtype)
+        fallback.clear()
+        got = sequence_grad_norms_sq(model, ids, response)
+        torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=rtol, atol=0)
+        assert fallback == ([] if fast else [model.norm_out]), type(norm).__name__  # LayerNorms: fast path
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class DoubledEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return 2 * super().forward(ids)
+
+
+@pytest.mark.parametrize(
+    "layer, message",
+    [
+        ("mix", "belongs to DoubledLinear"),
+        ("embed", "belongs to DoubledEmbedding"),
+        ("max_norm", "uses max_norm, scale_grad_by_freq or sparse"),
+        ("scale_grad_by_freq", "uses max_norm, scale_grad_by_freq or sparse"),
+        ("sparse", "uses max_norm, scale_grad_by_freq or sparse"),
+    ],
+)
+def test_layers_whose_gradient_is_not_the_textbook_one_are_refused(layer, message):
+    """A Linear or Embedding subclass with its own forward, or an embedding with max_norm, scale_grad_by_freq or
+    sparse gradients: the formulas would not hold, so the call raises instead of returning wrong norms."""
+    model = LayerNormLM().double()
+    if layer == "mix":
+        model.mix = DoubledLinear(8, 8).double()
+    elif layer == "embed":
+        model.embed = DoubledEmbedding(13, 8).double()
+        model.head.weight = model.embed.weight
+    else:
+        setattr(model.embed, layer, 1.0 if layer == "max_norm" else True)
+    with pytest.raises(ValueError, match=message):
+        sequence_grad_norms_sq(model, *padded_batch(seed=14, vocab=13)[:2])
+
+
+class FlatLM(LayerNormLM):
+    """Runs its Linear on [B·T, d]: the row dimension is not first."""
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.norm_in(self.embed(input_ids))
+        return self.head(self.mix(h.flatten(0, 1)).view_as(h))
+
+
+class KeywordLM(LayerNormLM):
+    """Calls its Linear with the input as a keyword: a forward hook sees no positional tensor."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.head(self.mix(input=self.norm_in(self.embed(input_ids))))
+
+
+@pytest.mark.parametrize("model, message", [(FlatLM, "must keep the batch"), (KeywordLM, "must take and return")])
+def test_layers_that_break_the_row_layout_are_refused(model, message):
+    with pytest.raises(ValueError, match=message):
+        sequence_grad_norms_sq(model().double(), *padded_batch(seed=15, vocab=13)[:2])
+
+
+def test_many_rows_are_one_batch():
+    """300 rows (row counts are compared by value, not identity) give each row its own exact norm."""
+    torch.manual_seed(16)
+    model = LayerNormLM().double()
+    ids = torch.randint(0, 13, (300, 3), generator=torch.Generator().manual_seed(16))
+    response = torch.tensor([[0, 1, 1]]).expand(300, 3)
+    got = sequence_grad_norms_sq(model, ids, response)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_linear_weight_norms_use_the_form_asked_for_and_auto_picks_the_cheaper(monkeypatch):
+    """method="gram" multiplies [T, T] Gram matrices, "materialize" builds the [d_out, d_in] gradient, and "auto"
+    the cheaper: Gram when T² (d_in + d_out) < T d_in d_out (T = 4, d = 10: 320 < 400), else materialised."""
+    shapes, real = [], grad_norms._bmm
+    monkeypatch.setattr(grad_norms, "_bmm", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y))
+    a, g = torch.randn(1, 4, 10, dtype=torch.float64), torch.randn(1, 4, 10, dtype=torch.float64)
+    for method, expected in [("gram", (4, 4)), ("materialize", (10, 10)), ("auto", (4, 4))]:
+        shapes.clear()
+        linear_weight_norms_sq(a, g, method)
+        assert set(shapes) == {expected}, method
+    shapes.clear()
+    linear_weight_norms_sq(a[:, :, :2], torch.randn(1, 4, 3, dtype=torch.float64), "auto")  # 16·5 > 4·2·3
+    assert shapes == [(3, 2)]
+
+
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (the rule reads ``is_cuda`` only)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("refusal", [None, TypeError, RuntimeError])
+def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal, monkeypatch):
+    """_bmm's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where torch.bmm
+    takes no out_dtype (TypeError) or the device refuses it (RuntimeError), both are upcast to float32 first."""
+    calls, real = [], torch.bmm
+
+    def bmm(x, y, **options):
+        calls.append((x.dtype, options))
+        if options and refusal:
+            raise refusal("out_dtype")
+        return real(x.float(), y.float()) if options else real(x, y)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    x = torch.randn(2, 3, 4).to(torch.bfloat16).as_subclass(OnCuda)
+    y = torch.randn(2, 4, 5).to(torch.bfloat16).as_subclass(OnCuda)
+    got = grad_norms._bmm(x, y)
+    assert got.dtype == torch.float32 and torch.equal(got, real(x.float(), y.float()))
+    expected = [(torch.bfloat16, {"out_dtype": torch.float32})] + ([(torch.float32, {})] if refusal else [])
+    assert calls == expected
+    calls.clear()
+    grad_norms._bmm(torch.randn(2, 3, 4).to(torch.bfloat16), torch.randn(2, 4, 5).to(torch.bfloat16))  # CPU
+    assert calls == [(torch.float32, {})]
+
+
+def test_logits_are_read_from_a_tensor_an_object_or_the_first_item_of_a_tuple():
+    from types import SimpleNamespace
+
+    logits, other = torch.randn(2, 3), torch.randn(2, 3)
+    for output in (logits, SimpleNamespace(logits=logits), (logits, other), [logits]):
+        assert grad_norms.logits_of(output) is logits
+    for output in ({"logits": logits}, (), ("x", logits)):
+        with pytest.raises(ValueError, match="holds no logits"):
+            grad_norms.logits_of(output)
+
+
+def test_accepts_keyword_reads_the_signature_and_says_no_when_there_is_none():
+    from types import SimpleNamespace
+
+    assert grad_norms.accepts_keyword(LayerNormLM(), "attention_mask")
+    assert not grad_norms.accepts_keyword(LayerNormLM(), "use_cache")
+    assert not grad_norms.accepts_keyword(SimpleNamespace(forward=torch.relu), "input")  # ValueError: no signature
+    assert not grad_norms.accepts_keyword(SimpleNamespace(forward=42), "input")  # TypeError: not callable
