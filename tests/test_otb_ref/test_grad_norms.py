@@ -210,6 +210,9 @@ def test_unsupported_parameterised_layer_fails_loudly():
     "kwargs, message",
     [
         (dict(input_ids=torch.zeros(2, 3)), "^input_ids: expected integer ids"),
+        (dict(input_ids=torch.tensor([1, 2, 3])), r"^input_ids: expected integer ids \[B, L\], got torch.int64 \(3,\)"),
+        (dict(input_ids=torch.ones(2, 3, 1, dtype=torch.long)), r"^input_ids: expected integer ids \[B, L\]"),
+        (dict(input_ids=torch.ones(2, 3, dtype=torch.bool)), r"^input_ids: expected integer ids \[B, L\]"),
         (dict(response_mask=torch.ones(2, 4)), "^response_mask: shape"),
         (dict(response_mask=torch.tensor([[1, 1, 1], [0, 1, 1]])), "^response_mask: column 0 must be 0"),
         (dict(response_mask=torch.tensor([[0, 2, 1], [0, 1, 1]])), "^response_mask"),
@@ -227,8 +230,10 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, message):
 
 def test_objective_must_return_per_row_values():
     model = tiny_lm("qwen2", tied=False)
-    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor"):
+    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor of per-row values, got shape \(\)$"):
         row_grad_norms_sq(model, lambda: model(torch.tensor([[1, 2]])).logits.sum())
+    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor of per-row values, got float$"):
+        row_grad_norms_sq(model, lambda: float(model(torch.tensor([[1, 2]])).logits.detach().sum()))
 
 
 # --------------------------------------------------------------------------- the per-layer formulas
