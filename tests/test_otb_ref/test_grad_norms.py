@@ -422,10 +422,10 @@ def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_
         (OnePlusRMSNorm(8), False),
         (SmallOnePlusRMSNorm(8), False),
         (GainNorm(8), False),
-        (PositionNorm(ids.shape[1]), False),
+        (PositionNorm(ids.shape[1]), False),  # 11 positions, width 16 below
     ]:
         torch.manual_seed(13)
-        model = LayerNormLM()
+        model = LayerNormLM(width=16 if isinstance(norm, PositionNorm) else 8)
         model.norm_out = norm
         with torch.no_grad():
             for p in model.parameters():
@@ -515,9 +515,10 @@ def test_linear_weight_norms_use_the_form_asked_for_and_auto_picks_the_cheaper(m
         shapes.clear()
         linear_weight_norms_sq(a, g, method)
         assert set(shapes) == {expected}, method
-    shapes.clear()
-    linear_weight_norms_sq(a[:, :, :2], torch.randn(1, 4, 3, dtype=torch.float64), "auto")  # 16·5 > 4·2·3
-    assert shapes == [(3, 2)]
+    for d_in, d_out in [(2, 3), (3, 3)]:  # 16 · 5 > 4 · 2 · 3 and 16 · 6 > 4 · 3 · 3: materialised
+        shapes.clear()
+        linear_weight_norms_sq(a[:, :, :d_in], torch.randn(1, 4, d_out, dtype=torch.float64), "auto")
+        assert shapes == [(d_out, d_in)]
 
 
 class OnCuda(torch.Tensor):
