@@ -397,6 +397,17 @@ class PositionNorm(nn.Module):
         return self.weight[:, None] * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
 
 
+class MeanWeightNorm(nn.Module):
+    """mean(w) × x / rms(x): equal to w ⊙ n(x) whenever w is constant (a weight of ones at init), not otherwise."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight.mean() * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
 class SmallOnePlusRMSNorm(OnePlusRMSNorm):
     """(1 + w) ⊙ x / rms(x) × 1e-8: outputs far below 1 (the form check's tolerance is relative to them)."""
 
@@ -423,6 +434,7 @@ def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_
         (SmallOnePlusRMSNorm(8), False),
         (GainNorm(8), False),
         (PositionNorm(ids.shape[1]), False),  # 11 positions, width 16 below
+        (MeanWeightNorm(8), False),  # left at its weight of ones below
     ]:
         torch.manual_seed(13)
         model = LayerNormLM(width=16 if isinstance(norm, PositionNorm) else 8)
@@ -430,8 +442,8 @@ def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.3 * torch.randn_like(p))
-            if isinstance(norm, OnePlusRMSNorm):
-                norm.weight.fill_(1.0)  # w = 1: only the probe weight tells (1 + w) ⊙ n from w ⊙ (2n)
+            if isinstance(norm, (OnePlusRMSNorm, MeanWeightNorm)):
+                norm.weight.fill_(1.0)  # w = 1: only a non-constant probe tells these from w ⊙ n(x)
         model = model.to(dtype)
         fallback.clear()
         got = sequence_grad_norms_sq(model, ids, response)
@@ -493,6 +505,23 @@ class KeywordLM(LayerNormLM):
 def test_layers_that_break_the_row_layout_are_refused(model, message):
     with pytest.raises(ValueError, match=message):
         sequence_grad_norms_sq(model().double(), *padded_batch(seed=15, vocab=13)[:2])
+
+
+def test_no_hook_is_left_on_the_model():
+    """The forward hooks that record layer calls are removed when the call returns (and when it raises)."""
+    model = LayerNormLM().double()
+    ids, response, _ = padded_batch(seed=17, vocab=13)
+    sequence_grad_norms_sq(model, ids, response)
+    with pytest.raises(ValueError):
+        row_grad_norms_sq(model, lambda: model(ids).sum())
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_an_empty_sequence_has_a_zero_weight_gradient():
+    """T = 0 positions: ||Σ_t g_t a_tᵀ||² = 0 in either form."""
+    a, g = torch.zeros(2, 0, 3, dtype=torch.float64), torch.zeros(2, 0, 4, dtype=torch.float64)
+    for method in ("gram", "materialize", "auto"):
+        assert linear_weight_norms_sq(a, g, method).tolist() == [0.0, 0.0]
 
 
 def test_many_rows_are_one_batch():
