@@ -409,17 +409,25 @@ def write_docs(docs: Path = ROOT / "docs" / "mutations.md") -> None:
     docs.write_text(head + start + table() + "\n" + end + rest.split(end, 1)[1])
 
 
+def newest_sharded_session(stems: set[str], sessions: Path | None = None) -> tuple[str, str] | None:
+    """``(module key, code key)`` of the newest of ``stems`` (session names ``<module name>-<module key>-<code
+    key>``) that has shard files, by the newest file of each; None when none has."""
+    sessions = sessions or RUNS / "sessions"
+    sharded = [stem for stem in stems if list(sessions.glob(f"{stem}.*of*.sqlite"))]
+    if not sharded:
+        return None
+    newest = max(sharded, key=lambda stem: max(p.stat().st_mtime for p in sessions.glob(f"{stem}.*")))
+    _, module, code = newest.split("-", 2)
+    return module, code
+
+
 def _merge_older_sessions(name: str, stem: str, head: str) -> None:
-    """Results of the newest session of this module under other code (name-<module>-<code>.<shard>) go to the
-    results file, whence the new session takes what stays valid; then the older sessions are removed."""
+    """Results of the newest session of this module under other code go to the results file, whence the new
+    session takes what stays valid; then the older sessions are removed."""
     sessions = RUNS / "sessions"
     older = {p.name.split(".")[0] for p in sessions.glob(f"{name}-*.sqlite")} - {stem}
-    if not older:
-        return
-    newest = max(older, key=lambda s: max(p.stat().st_mtime for p in sessions.glob(f"{s}.*")))
-    if list(sessions.glob(f"{newest}.*of*.sqlite")):
-        _, module, code = newest.split("-", 2)
-        write_results(name, module, code, head)
+    if newest := newest_sharded_session(older):
+        write_results(name, *newest, head)
     for old in older:
         for path in sessions.glob(f"{old}.*"):
             path.unlink()
@@ -456,10 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:  # the sessions' results so far into the results files (after a run was stopped)
         head = git("rev-parse", "HEAD")
         for name in args.modules:
-            shards = sorted((RUNS / "sessions").glob(f"{name}-{module_key(name)}-*.*of*.sqlite"), key=os.path.getmtime)
-            if shards:
-                _, module, code = shards[-1].name.split(".")[0].split("-", 2)
-                print(name, write_results(name, module, code, head), "pending")
+            stems = {p.name.split(".")[0] for p in (RUNS / "sessions").glob(f"{name}-{module_key(name)}-*.sqlite")}
+            if newest := newest_sharded_session(stems):
+                print(name, write_results(name, *newest, head), "pending")
         return 0
     if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):
         raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")

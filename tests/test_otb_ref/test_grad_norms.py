@@ -210,6 +210,9 @@ def test_unsupported_parameterised_layer_fails_loudly():
     "kwargs, message",
     [
         (dict(input_ids=torch.zeros(2, 3)), "^input_ids: expected integer ids"),
+        (dict(input_ids=torch.tensor([1, 2, 3])), r"^input_ids: expected integer ids \[B, L\], got torch.int64 \(3,\)"),
+        (dict(input_ids=torch.ones(2, 3, 1, dtype=torch.long)), r"^input_ids: expected integer ids \[B, L\]"),
+        (dict(input_ids=torch.ones(2, 3, dtype=torch.bool)), r"^input_ids: expected integer ids \[B, L\]"),
         (dict(response_mask=torch.ones(2, 4)), "^response_mask: shape"),
         (dict(response_mask=torch.tensor([[1, 1, 1], [0, 1, 1]])), "^response_mask: column 0 must be 0"),
         (dict(response_mask=torch.tensor([[0, 2, 1], [0, 1, 1]])), "^response_mask"),
@@ -227,8 +230,12 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, message):
 
 def test_objective_must_return_per_row_values():
     model = tiny_lm("qwen2", tied=False)
-    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor"):
+    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor of per-row values, got shape \(\)$"):
         row_grad_norms_sq(model, lambda: model(torch.tensor([[1, 2]])).logits.sum())
+    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor of per-row values, got shape \(1, 2\)$"):
+        row_grad_norms_sq(model, lambda: model(torch.tensor([[1, 2]])).logits.sum(dim=-1))
+    with pytest.raises(ValueError, match=r"^objective: expected a \[B\] tensor of per-row values, got float$"):
+        row_grad_norms_sq(model, lambda: float(model(torch.tensor([[1, 2]])).logits.detach().sum()))
 
 
 # --------------------------------------------------------------------------- the per-layer formulas
@@ -328,7 +335,7 @@ class SharedLM(nn.Module):
     with the Linear), a Linear called twice, two Linears with one weight, a head tied to the embedding; plus a call
     whose output never reaches the objective and one under no_grad (neither is part of the gradient)."""
 
-    def __init__(self, vocab: int = 13, width: int = 8):
+    def __init__(self, vocab: int = 13, width: int = 8, tied: bool = True):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width, bias=False)
@@ -336,7 +343,8 @@ class SharedLM(nn.Module):
         self.other.weight = self.mix.weight
         self.norm = nn.RMSNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, input_ids, attention_mask=None):
         previous = torch.nn.functional.pad(input_ids[:, :-1], (1, 0))
@@ -351,11 +359,12 @@ class SharedLM(nn.Module):
         return logits * (1 + 0.5 * gate)
 
 
-def test_f3_every_kind_of_shared_parameter_gives_the_exact_norms():
+@pytest.mark.parametrize("tied", [True, False])
+def test_f3_every_kind_of_shared_parameter_gives_the_exact_norms(tied):
     """||G + H||² with the cross terms of Linear-Linear, Embedding-Embedding and Linear-Embedding sharing, in
-    either call order, equals a separate exact gradient per row."""
+    either call order (untied: the embedding shared with itself only), equals a separate exact gradient per row."""
     torch.manual_seed(11)
-    model = SharedLM().double()
+    model = SharedLM(tied=tied).double()
     ids, response, _ = padded_batch(seed=11, vocab=13)
     got = sequence_grad_norms_sq(model, ids, response)
     torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
@@ -392,6 +401,17 @@ class PositionNorm(nn.Module):
         return self.weight[:, None] * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
 
 
+class MeanWeightNorm(nn.Module):
+    """mean(w) × x / rms(x): equal to w ⊙ n(x) whenever w is constant (a weight of ones at init), not otherwise."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight.mean() * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
 class SmallOnePlusRMSNorm(OnePlusRMSNorm):
     """(1 + w) ⊙ x / rms(x) × 1e-8: outputs far below 1 (the form check's tolerance is relative to them)."""
 
@@ -417,16 +437,17 @@ def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_
         (OnePlusRMSNorm(8), False),
         (SmallOnePlusRMSNorm(8), False),
         (GainNorm(8), False),
-        (PositionNorm(ids.shape[1]), False),
+        (PositionNorm(ids.shape[1]), False),  # 11 positions, width 16 below
+        (MeanWeightNorm(8), False),  # left at its weight of ones below
     ]:
         torch.manual_seed(13)
-        model = LayerNormLM()
+        model = LayerNormLM(width=16 if isinstance(norm, PositionNorm) else 8)
         model.norm_out = norm
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.3 * torch.randn_like(p))
-            if isinstance(norm, OnePlusRMSNorm):
-                norm.weight.fill_(1.0)  # w = 1: only the probe weight tells (1 + w) ⊙ n from w ⊙ (2n)
+            if isinstance(norm, (OnePlusRMSNorm, MeanWeightNorm)):
+                norm.weight.fill_(1.0)  # w = 1: only a non-constant probe tells these from w ⊙ n(x)
         model = model.to(dtype)
         fallback.clear()
         got = sequence_grad_norms_sq(model, ids, response)
@@ -484,10 +505,42 @@ class KeywordLM(LayerNormLM):
         return self.head(self.mix(input=self.norm_in(self.embed(input_ids))))
 
 
-@pytest.mark.parametrize("model, message", [(FlatLM, "must keep the batch"), (KeywordLM, "must take and return")])
+class FewRowsLM(LayerNormLM):
+    """Runs its Linear on the first row only: the layer sees fewer rows than the objective."""
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.norm_in(self.embed(input_ids))
+        return self.head(h) + self.mix(h[:1]).sum()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (FlatLM, r"^model: Linear saw 66 rows in dim 0, the objective has 6: layers must keep the batch"),
+        (FewRowsLM, r"^model: Linear saw 1 rows in dim 0, the objective has 6"),
+        (KeywordLM, "must take and return"),
+    ],
+)
 def test_layers_that_break_the_row_layout_are_refused(model, message):
     with pytest.raises(ValueError, match=message):
         sequence_grad_norms_sq(model().double(), *padded_batch(seed=15, vocab=13)[:2])
+
+
+def test_no_hook_is_left_on_the_model():
+    """The forward hooks that record layer calls are removed when the call returns (and when it raises)."""
+    model = LayerNormLM().double()
+    ids, response, _ = padded_batch(seed=17, vocab=13)
+    sequence_grad_norms_sq(model, ids, response)
+    with pytest.raises(ValueError):
+        row_grad_norms_sq(model, lambda: model(ids).sum())
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_an_empty_sequence_has_a_zero_weight_gradient():
+    """T = 0 positions: ||Σ_t g_t a_tᵀ||² = 0 in either form."""
+    a, g = torch.zeros(2, 0, 3, dtype=torch.float64), torch.zeros(2, 0, 4, dtype=torch.float64)
+    for method in ("gram", "materialize", "auto"):
+        assert linear_weight_norms_sq(a, g, method).tolist() == [0.0, 0.0]
 
 
 def test_many_rows_are_one_batch():
@@ -508,11 +561,12 @@ def test_linear_weight_norms_use_the_form_asked_for_and_auto_picks_the_cheaper(m
     a, g = torch.randn(1, 4, 10, dtype=torch.float64), torch.randn(1, 4, 10, dtype=torch.float64)
     for method, expected in [("gram", (4, 4)), ("materialize", (10, 10)), ("auto", (4, 4))]:
         shapes.clear()
-        linear_weight_norms_sq(a, g, method)
+        linear_weight_norms_sq(a, g, "".join(method))  # a name built at run time (not the interned literal)
         assert set(shapes) == {expected}, method
-    shapes.clear()
-    linear_weight_norms_sq(a[:, :, :2], torch.randn(1, 4, 3, dtype=torch.float64), "auto")  # 16·5 > 4·2·3
-    assert shapes == [(3, 2)]
+    for d_in, d_out in [(2, 3), (3, 3)]:  # 16 · 5 > 4 · 2 · 3 and 16 · 6 > 4 · 3 · 3: materialised
+        shapes.clear()
+        linear_weight_norms_sq(a[:, :, :d_in], torch.randn(1, 4, d_out, dtype=torch.float64), "auto")
+        assert shapes == [(d_out, d_in)]
 
 
 class OnCuda(torch.Tensor):
@@ -565,3 +619,47 @@ def test_accepts_keyword_reads_the_signature_and_says_no_when_there_is_none():
     assert not grad_norms.accepts_keyword(LayerNormLM(), "use_cache")
     assert not grad_norms.accepts_keyword(SimpleNamespace(forward=torch.relu), "input")  # ValueError: no signature
     assert not grad_norms.accepts_keyword(SimpleNamespace(forward=42), "input")  # TypeError: not callable
+
+
+class FrozenFeatureLM(LayerNormLM):
+    """A Linear reading frozen features (its input needs no gradient) beside a trainable embedding, and a second
+    such call whose output is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Embedding(13, 8).requires_grad_(False)
+
+    def forward(self, input_ids, attention_mask=None):
+        self.mix(self.frozen(input_ids).flip(1))  # unused
+        return self.head(self.norm_in(self.embed(input_ids) + torch.tanh(self.mix(self.frozen(input_ids)))))
+
+
+def test_f3_a_layer_whose_input_needs_no_gradient_is_counted():
+    """The backward starts at every layer whose input needs no gradient, not only at the embedding."""
+    torch.manual_seed(18)
+    model = FrozenFeatureLM().double()
+    ids, response, _ = padded_batch(seed=18, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_row_norms_of_a_model_whose_input_needs_a_gradient():
+    """row_grad_norms_sq on inputs that require grad (no layer input is free of it): each row's ||∇θ f_i||²
+    equals a backward per row."""
+    torch.manual_seed(19)
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 1).double()
+    model = nn.Sequential(first, second)
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+
+    got = row_grad_norms_sq(model, lambda: model(x).sum(dim=(1, 2)))
+    expected = []
+    for i in range(5):
+        grads = torch.autograd.grad(model(x[i : i + 1]).sum(), list(model.parameters()))
+        expected.append(sum(g.square().sum() for g in grads))
+    torch.testing.assert_close(got.double(), torch.stack(expected), rtol=RTOL, atol=0)
+
+
+def test_an_objective_that_does_not_depend_on_the_parameters_has_zero_norms():
+    model = LayerNormLM().double()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert row_grad_norms_sq(model, lambda: model(ids).sum(dim=(1, 2)).detach()).tolist() == [0.0, 0.0]

@@ -185,3 +185,18 @@ def test_a_removed_decorator_is_one_key_whatever_prefix_cosmic_ray_writes():
     keys = {score.equivalent_key({**base, "original": text}) for text in (" / @staticmethod", "/ @staticmethod")}
     assert keys == {("otb_ref/proxy.py", "core/RemoveDecorator", "@staticmethod", "")}
     assert score.equivalent_key({**base, "original": "a / b"})[2] == "a / b"
+
+
+def test_the_newest_session_with_shards_gives_the_keys(tmp_path):
+    """--collect and a new start read the newest session that has shard files (a session without shards has no
+    results yet), whatever order the names sort in."""
+    import os
+
+    for stem, age in (("exact-aaa-111", 30), ("exact-bbb-222", 20), ("exact-ccc-333", 10)):
+        for suffix in (".sqlite", ".0of2.sqlite") if stem != "exact-ccc-333" else (".sqlite",):
+            path = tmp_path / f"{stem}{suffix}"
+            path.write_text("")
+            os.utime(path, (1e9 - age, 1e9 - age))
+    stems = {"exact-aaa-111", "exact-bbb-222", "exact-ccc-333"}
+    assert score.newest_sharded_session(stems, tmp_path) == ("bbb", "222")
+    assert score.newest_sharded_session({"exact-ccc-333"}, tmp_path) is None
