@@ -101,3 +101,24 @@ def test_tree_and_shared_policies_differ_on_the_proxy():
     assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) > 1e-3
     enum = enumerate_policy(TreePolicy(3, 3, seed=1))
     assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) < ATOL
+
+
+def test_shared_policy_logits_are_its_documented_formula():
+    """SharedPolicy: logits_t = U tanh(E[y_{t−1}] + P_t) + b with y_0 = BOS (id V), θ packed as E, P, U, b."""
+    policy = SharedPolicy(vocab=3, horizon=4, width=2, seed=5)
+    v, d, length = 3, 2, 4
+    sizes = [(v + 1) * d, length * d, v * d, v]
+    E, P, U, b = (t.view(shape) for t, shape in zip(policy.theta.split(sizes), [(v + 1, d), (length, d), (v, d), (v,)]))
+    tokens = torch.tensor([[0, 2, 1, 1], [2, 2, 0, 1]])
+    previous = torch.tensor([[v, 0, 2, 1], [v, 2, 2, 0]])
+    expected = torch.stack(
+        [torch.stack([U @ torch.tanh(E[p] + P[t]) + b for t, p in enumerate(row)]) for row in previous]
+    )
+    torch.testing.assert_close(policy.logits(policy.theta, tokens), expected, rtol=1e-15, atol=1e-15)
+
+
+def test_enumeration_keeps_the_scores_of_a_small_policy_by_default():
+    """keep_scores (default: when small): a policy of a few hundred responses keeps s_t; False drops them."""
+    policy = TreePolicy(vocab=3, horizon=3, seed=1)
+    assert enumerate_policy(policy).scores is not None
+    assert enumerate_policy(policy, keep_scores=False).scores is None
