@@ -375,3 +375,20 @@ def test_bad_inputs_name_the_argument(function):
     for name, change in _bad_cases():
         with pytest.raises(ValueError, match=rf"^{name}: "):
             function(**{**good, **change})
+
+
+def test_a_model_whose_logits_do_not_cover_the_row_is_refused():
+    """Logits of shape (1, L − 1, V) for a row of L tokens: an error naming the shape, not a silent misalignment."""
+
+    class Truncated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _qwen2()
+
+        def forward(self, input_ids, **kwargs):
+            return self.lm(input_ids, **kwargs).logits[:, :-1]
+
+    model = Truncated()
+    ids, response = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1]])
+    with pytest.raises(ValueError, match=r"^model: expected logits of shape \(1, 4, V\) for one row"):
+        sequence_grad_norms_sq_fp64(model, ids, response)

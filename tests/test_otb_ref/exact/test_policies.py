@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given
 from strategies import policy_cases
@@ -122,3 +123,19 @@ def test_enumeration_keeps_the_scores_of_a_small_policy_by_default():
     policy = TreePolicy(vocab=3, horizon=3, seed=1)
     assert enumerate_policy(policy).scores is not None
     assert enumerate_policy(policy, keep_scores=False).scores is None
+
+
+def test_a_vocabulary_of_one_token_is_refused():
+    with pytest.raises(ValueError, match="^vocab: need >= 2 tokens"):
+        enumerate_responses(1, 2)
+
+
+def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
+    """Scores are taken in chunks of at most _JACOBIAN_CHUNK_ELEMENTS numbers (at least one response per chunk):
+    memory only, the same Gram matrices."""
+    from otb_ref.exact import policies
+
+    policy = SharedPolicy(vocab=3, horizon=3, seed=2)
+    want = enumerate_policy(policy).gram
+    monkeypatch.setattr(policies, "_JACOBIAN_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(enumerate_policy(policy).gram, want, rtol=1e-14, atol=1e-14)
