@@ -377,8 +377,10 @@ def test_bad_inputs_name_the_argument(function):
             function(**{**good, **change})
 
 
-def test_a_model_whose_logits_do_not_cover_the_row_is_refused():
-    """Logits of shape (1, L − 1, V) for a row of L tokens: an error naming the shape, not a silent misalignment."""
+@pytest.mark.parametrize("cut", ["last position", "vocabulary dim"])
+def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
+    """Logits of shape (1, L − 1, V) or (1, L) for a row of L tokens: an error naming the shape, not a silent
+    misalignment."""
 
     class Truncated(nn.Module):
         def __init__(self):
@@ -386,7 +388,8 @@ def test_a_model_whose_logits_do_not_cover_the_row_is_refused():
             self.lm = _qwen2()
 
         def forward(self, input_ids, **kwargs):
-            return self.lm(input_ids, **kwargs).logits[:, :-1]
+            logits = self.lm(input_ids, **kwargs).logits
+            return logits[:, :-1] if cut == "last position" else logits[..., 0]
 
     model = Truncated()
     ids, response = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1]])

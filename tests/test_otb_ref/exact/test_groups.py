@@ -126,3 +126,11 @@ def test_the_multiset_cap_is_inclusive(monkeypatch):
     monkeypatch.setattr(groups, "MAX_TUPLES", count - 1)
     with pytest.raises(ValueError, match=f"^group_size: {count} groups of 2"):
         group_moments(enum, rewards, "grpo", 2)
+
+
+@pytest.mark.parametrize("group_size", [0, -1, 2.0])
+def test_group_size_must_be_a_positive_integer(group_size):
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=8), keep_scores=True)
+    rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
+    with pytest.raises(ValueError, match="^group_size: expected a positive integer"):
+        group_moments(enum, rewards, "grpo", group_size)

@@ -139,3 +139,22 @@ def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
     want = enumerate_policy(policy).gram
     monkeypatch.setattr(policies, "_JACOBIAN_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(enumerate_policy(policy).gram, want, rtol=1e-14, atol=1e-14)
+
+
+def test_theta_is_scale_times_standard_normal_draws_one_logit_vector_per_prefix():
+    """TreePolicy: θ_h ∈ R^V for every prefix h of fewer than L non-EOS tokens (Σ_t (V − 1)^t of them), drawn as
+    scale × N(0, 1) from the seed."""
+    vocab, horizon = 3, 3
+    policy = TreePolicy(vocab=vocab, horizon=horizon, seed=6)
+    assert policy.theta.numel() == vocab * sum((vocab - 1) ** t for t in range(horizon))
+    torch.testing.assert_close(TreePolicy(vocab, horizon, scale=2.5, seed=6).theta, 2.5 * policy.theta, rtol=0, atol=0)
+    torch.testing.assert_close(SharedPolicy(3, 2, scale=0.5, seed=6).theta, 0.5 * SharedPolicy(3, 2, seed=6).theta)
+
+
+def test_off_the_mask_sum_pi_squared_is_one_and_the_energy_zero():
+    """Enumeration's conventions past a response's end: Σπ² = 1, proxy energy w = 0, log π = 0."""
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=3, seed=7))
+    off = enum.mask == 0
+    assert bool(off.any())
+    assert bool((enum.sum_pi_squared[off] == 1.0).all() and (enum.energy[off] == 0).all())
+    assert bool((enum.log_probs[off] == 0).all())
