@@ -395,3 +395,40 @@ def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
     ids, response = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1]])
     with pytest.raises(ValueError, match=r"^model: expected logits of shape \(1, 4, V\) for one row"):
         sequence_grad_norms_sq_fp64(model, ids, response)
+
+
+def test_one_row_with_a_response_among_empty_ones_gets_its_norm():
+    """Rows without a response are skipped (norm 0); a batch with exactly one response row still computes it."""
+    model = _qwen2(seed=6)
+    ids, response, _ = _batch(seed=6)
+    only = torch.zeros_like(response)
+    only[1] = response[1]
+    expected, _ = _reference(model, ids, only)
+    got = sequence_grad_norms_sq_fp64(model, ids, only)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=0)
+    assert float(got[1]) > 0 and float(got.sum() - got[1]) == 0.0
+
+
+def test_exact_under_inference_mode_and_without_a_warning():
+    """The float64 copy runs autograd even when the caller is under torch.inference_mode, and warns about nothing
+    (the warning is for logits that stay below float64)."""
+    import warnings
+
+    model = _qwen2(seed=7)
+    ids, response, attention = _batch(seed=7)
+    want = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            got = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_first_bad_response_position_is_named():
+    """A response token on padding: the error names the first such (row, position) in row-major order."""
+    model = _qwen2(seed=8)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    attention = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]])
+    response = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])  # (0, 1) is predicted from padding; (1, 2), (1, 3) too
+    with pytest.raises(ValueError, match=r"at \(row 0, position 1\)"):
+        sequence_grad_norms_sq_fp64(model, ids, response, attention)

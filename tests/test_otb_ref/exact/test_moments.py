@@ -173,3 +173,11 @@ def test_population_baselines_take_names_built_at_run_time():
         torch.testing.assert_close(
             population_baseline(enum, rewards, "".join(name)), population_baseline(enum, rewards, name), rtol=0, atol=0
         )
+
+
+def test_population_granularity_of_the_names_outside_the_table():
+    """ "none" has no baseline, "optimal" (B**_t) is per token; table estimators carry their own granularity."""
+    from otb_ref.exact.moments import population_granularity
+
+    assert population_granularity("none") == "none" and population_granularity("optimal") == "token"
+    assert population_granularity("grpo") == "sequence" and population_granularity("otb") == "token"

@@ -125,9 +125,10 @@ def test_enumeration_keeps_the_scores_of_a_small_policy_by_default():
     assert enumerate_policy(policy, keep_scores=False).scores is None
 
 
-def test_a_vocabulary_of_one_token_is_refused():
-    with pytest.raises(ValueError, match="^vocab: need >= 2 tokens"):
-        enumerate_responses(1, 2)
+@pytest.mark.parametrize("vocab, horizon", [(1, 2), (3, 0)])
+def test_a_vocabulary_of_one_token_or_a_horizon_of_zero_is_refused(vocab, horizon):
+    with pytest.raises(ValueError, match="^vocab: need >= 2 tokens and horizon >= 1"):
+        enumerate_responses(vocab, horizon)
 
 
 def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
