@@ -377,7 +377,7 @@ def test_bad_inputs_name_the_argument(function):
             function(**{**good, **change})
 
 
-@pytest.mark.parametrize("cut", ["last position", "vocabulary dim"])
+@pytest.mark.parametrize("cut", ["last position", "vocabulary dim", "extra position", "extra dim"])
 def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
     """Logits of shape (1, L − 1, V) or (1, L) for a row of L tokens: an error naming the shape, not a silent
     misalignment."""
@@ -389,6 +389,10 @@ def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
 
         def forward(self, input_ids, **kwargs):
             logits = self.lm(input_ids, **kwargs).logits
+            if cut == "extra position":
+                return torch.cat([logits, logits[:, -1:]], dim=1)
+            if cut == "extra dim":
+                return logits[:, :, None]
             return logits[:, :-1] if cut == "last position" else logits[..., 0]
 
     model = Truncated()
@@ -432,3 +436,20 @@ def test_the_first_bad_response_position_is_named():
     response = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])  # (0, 1) is predicted from padding; (1, 2), (1, 3) too
     with pytest.raises(ValueError, match=r"at \(row 0, position 1\)"):
         sequence_grad_norms_sq_fp64(model, ids, response, attention)
+
+
+@pytest.mark.parametrize("ids", [torch.ones(2, 4, 1, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)])
+def test_input_ids_must_be_a_2d_integer_tensor(ids):
+    response = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="^input_ids: "):
+        sequence_grad_norms_sq_fp64(_qwen2(seed=9), ids, response)
+
+
+def test_inputs_made_under_inference_mode_are_accepted():
+    """Ids and masks created under torch.inference_mode (inference tensors) are copied into normal tensors."""
+    model = _qwen2(seed=10)
+    ids, response, attention = _batch(seed=10)
+    want = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    with torch.inference_mode():
+        frozen = [t.clone() for t in (ids, response, attention)]
+    torch.testing.assert_close(sequence_grad_norms_sq_fp64(model, *frozen), want, rtol=0, atol=0)

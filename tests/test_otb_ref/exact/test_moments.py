@@ -180,4 +180,5 @@ def test_population_granularity_of_the_names_outside_the_table():
     from otb_ref.exact.moments import population_granularity
 
     assert population_granularity("none") == "none" and population_granularity("optimal") == "token"
+    assert population_granularity("".join("none")) == "none"  # a name built at run time
     assert population_granularity("grpo") == "sequence" and population_granularity("otb") == "token"
