@@ -397,7 +397,7 @@ def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
 
     model = Truncated()
     ids, response = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1]])
-    with pytest.raises(ValueError, match=r"^model: expected logits of shape \(1, 4, V\) for one row"):
+    with pytest.raises(ValueError, match=r"^model: expected logits of shape \(1, 4, V\) for one row, got \(1, "):
         sequence_grad_norms_sq_fp64(model, ids, response)
 
 
@@ -453,3 +453,31 @@ def test_inputs_made_under_inference_mode_are_accepted():
     with torch.inference_mode():
         frozen = [t.clone() for t in (ids, response, attention)]
     torch.testing.assert_close(sequence_grad_norms_sq_fp64(model, *frozen), want, rtol=0, atol=0)
+
+
+def test_an_id_at_the_vocabulary_size_is_refused():
+    model = _qwen2(seed=11)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids, response = torch.tensor([[1, 2, vocab]]), torch.tensor([[0, 1, 1]])
+    with pytest.raises(ValueError, match=rf"^input_ids: id {vocab} >= the model's vocabulary size {vocab}"):
+        sequence_grad_norms_sq_fp64(model, ids, response)
+
+
+def test_a_model_that_cannot_name_its_embedding_is_not_range_checked():
+    """get_input_embeddings raising (as some wrappers do): no vocabulary check, the norms as for the model inside."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _qwen2(seed=12)
+
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+        def forward(self, input_ids, **kwargs):
+            return self.lm(input_ids, **kwargs)
+
+    wrapper = Wrapper()
+    ids, response, attention = _batch(seed=12)
+    want = sequence_grad_norms_sq_fp64(wrapper.lm, ids, response, attention)
+    torch.testing.assert_close(sequence_grad_norms_sq_fp64(wrapper, ids, response, attention), want, rtol=0, atol=0)
