@@ -663,3 +663,14 @@ def test_an_objective_that_does_not_depend_on_the_parameters_has_zero_norms():
     model = LayerNormLM().double()
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
     assert row_grad_norms_sq(model, lambda: model(ids).sum(dim=(1, 2)).detach()).tolist() == [0.0, 0.0]
+
+
+def test_row_blocks_under_a_small_budget_give_the_same_norms(monkeypatch):
+    """Rows go through the per-row temporaries in blocks of at most _BLOCK_ELEMENTS elements; a row larger than the
+    budget is a block of its own. The blocks change memory only, not the norms."""
+    torch.manual_seed(20)
+    model = LayerNormLM().double()
+    ids, response, _ = padded_batch(seed=20, vocab=13)
+    want = sequence_grad_norms_sq(model, ids, response)
+    monkeypatch.setattr(grad_norms, "_BLOCK_ELEMENTS", 4)
+    torch.testing.assert_close(sequence_grad_norms_sq(model, ids, response), want, rtol=1e-6, atol=0)  # float32

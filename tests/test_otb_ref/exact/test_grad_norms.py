@@ -375,3 +375,109 @@ def test_bad_inputs_name_the_argument(function):
     for name, change in _bad_cases():
         with pytest.raises(ValueError, match=rf"^{name}: "):
             function(**{**good, **change})
+
+
+@pytest.mark.parametrize("cut", ["last position", "vocabulary dim", "extra position", "extra dim"])
+def test_a_model_whose_logits_do_not_cover_the_row_is_refused(cut):
+    """Logits of shape (1, L − 1, V) or (1, L) for a row of L tokens: an error naming the shape, not a silent
+    misalignment."""
+
+    class Truncated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _qwen2()
+
+        def forward(self, input_ids, **kwargs):
+            logits = self.lm(input_ids, **kwargs).logits
+            if cut == "extra position":
+                return torch.cat([logits, logits[:, -1:]], dim=1)
+            if cut == "extra dim":
+                return logits[:, :, None]
+            return logits[:, :-1] if cut == "last position" else logits[..., 0]
+
+    model = Truncated()
+    ids, response = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1]])
+    with pytest.raises(ValueError, match=r"^model: expected logits of shape \(1, 4, V\) for one row, got \(1, "):
+        sequence_grad_norms_sq_fp64(model, ids, response)
+
+
+def test_one_row_with_a_response_among_empty_ones_gets_its_norm():
+    """Rows without a response are skipped (norm 0); a batch with exactly one response row still computes it."""
+    model = _qwen2(seed=6)
+    ids, response, _ = _batch(seed=6)
+    only = torch.zeros_like(response)
+    only[1] = response[1]
+    expected, _ = _reference(model, ids, only)
+    got = sequence_grad_norms_sq_fp64(model, ids, only)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=0)
+    assert float(got[1]) > 0 and float(got.sum() - got[1]) == 0.0
+
+
+def test_exact_under_inference_mode_and_without_a_warning():
+    """The float64 copy runs autograd even when the caller is under torch.inference_mode, and warns about nothing
+    (the warning is for logits that stay below float64)."""
+    import warnings
+
+    model = _qwen2(seed=7)
+    ids, response, attention = _batch(seed=7)
+    want = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            got = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_first_bad_response_position_is_named():
+    """A response token on padding: the error names the first such (row, position) in row-major order."""
+    model = _qwen2(seed=8)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    attention = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]])
+    response = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])  # (0, 1) is predicted from padding; (1, 2), (1, 3) too
+    with pytest.raises(ValueError, match=r"at \(row 0, position 1\)"):
+        sequence_grad_norms_sq_fp64(model, ids, response, attention)
+
+
+@pytest.mark.parametrize("ids", [torch.ones(2, 4, 1, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)])
+def test_input_ids_must_be_a_2d_integer_tensor(ids):
+    response = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="^input_ids: "):
+        sequence_grad_norms_sq_fp64(_qwen2(seed=9), ids, response)
+
+
+def test_inputs_made_under_inference_mode_are_accepted():
+    """Ids and masks created under torch.inference_mode (inference tensors) are copied into normal tensors."""
+    model = _qwen2(seed=10)
+    ids, response, attention = _batch(seed=10)
+    want = sequence_grad_norms_sq_fp64(model, ids, response, attention)
+    with torch.inference_mode():
+        frozen = [t.clone() for t in (ids, response, attention)]
+    torch.testing.assert_close(sequence_grad_norms_sq_fp64(model, *frozen), want, rtol=0, atol=0)
+
+
+def test_an_id_at_the_vocabulary_size_is_refused():
+    model = _qwen2(seed=11)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids, response = torch.tensor([[1, 2, vocab]]), torch.tensor([[0, 1, 1]])
+    with pytest.raises(ValueError, match=rf"^input_ids: id {vocab} >= the model's vocabulary size {vocab}"):
+        sequence_grad_norms_sq_fp64(model, ids, response)
+
+
+def test_a_model_that_cannot_name_its_embedding_is_not_range_checked():
+    """get_input_embeddings raising (as some wrappers do): no vocabulary check, the norms as for the model inside."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _qwen2(seed=12)
+
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+        def forward(self, input_ids, **kwargs):
+            return self.lm(input_ids, **kwargs)
+
+    wrapper = Wrapper()
+    ids, response, attention = _batch(seed=12)
+    want = sequence_grad_norms_sq_fp64(wrapper.lm, ids, response, attention)
+    torch.testing.assert_close(sequence_grad_norms_sq_fp64(wrapper, ids, response, attention), want, rtol=0, atol=0)

@@ -1,7 +1,9 @@
 """Finite groups (F7): leave-one-out is unbiased, include-self is scaled, N = 1 is REINFORCE."""
 
 import itertools
+import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -109,3 +111,26 @@ def test_multisets_equal_ordered_tuples(case, name):
     torch.testing.assert_close(moments.mean, mean, rtol=0, atol=ATOL)
     assert abs(moments.second_moment - second) < ATOL
     assert abs(moments.variance - (second - float(mean @ mean))) < ATOL
+
+
+def test_the_multiset_cap_is_inclusive(monkeypatch):
+    """group_moments refuses more than MAX_TUPLES multisets, comb(M + N − 1, N) for M responses and groups of N,
+    and runs at exactly the cap."""
+    from otb_ref.exact import groups
+
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=3), keep_scores=True)
+    rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
+    count = math.comb(enum.tokens.shape[0] + 2 - 1, 2)
+    monkeypatch.setattr(groups, "MAX_TUPLES", count)
+    group_moments(enum, rewards, "grpo", 2)
+    monkeypatch.setattr(groups, "MAX_TUPLES", count - 1)
+    with pytest.raises(ValueError, match=f"^group_size: {count} groups of 2"):
+        group_moments(enum, rewards, "grpo", 2)
+
+
+@pytest.mark.parametrize("group_size", [0, -1, 2.0])
+def test_group_size_must_be_a_positive_integer(group_size):
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=8), keep_scores=True)
+    rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
+    with pytest.raises(ValueError, match="^group_size: expected a positive integer"):
+        group_moments(enum, rewards, "grpo", group_size)

@@ -13,7 +13,7 @@ from otb_ref.exact.moments import (
     population_baseline,
     returns_to_go,
 )
-from otb_ref.exact.policies import enumerate_policy
+from otb_ref.exact.policies import TreePolicy, enumerate_policy
 
 # Exact float64 sums over <= 400 responses of terms of size <= ~100: rounding well below 1e-10.
 ATOL = 1e-10
@@ -163,3 +163,22 @@ def test_f5_tree_otb_between_bstar_and_eob(case):
     for name in ["otb", "otb_exact"]:
         assert variance["optimal"] <= variance[name] + slack
         assert variance[name] <= variance["eob"] + slack
+
+
+def test_population_baselines_take_names_built_at_run_time():
+    """A name read from a config is equal to the literal, not the same object: "optimal" and "none" still work."""
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=4))
+    rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
+    for name in ("optimal", "none"):
+        torch.testing.assert_close(
+            population_baseline(enum, rewards, "".join(name)), population_baseline(enum, rewards, name), rtol=0, atol=0
+        )
+
+
+def test_population_granularity_of_the_names_outside_the_table():
+    """ "none" has no baseline, "optimal" (B**_t) is per token; table estimators carry their own granularity."""
+    from otb_ref.exact.moments import population_granularity
+
+    assert population_granularity("none") == "none" and population_granularity("optimal") == "token"
+    assert population_granularity("".join("none")) == "none"  # a name built at run time
+    assert population_granularity("grpo") == "sequence" and population_granularity("otb") == "token"

@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given
 from strategies import policy_cases
@@ -101,3 +102,77 @@ def test_tree_and_shared_policies_differ_on_the_proxy():
     assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) > 1e-3
     enum = enumerate_policy(TreePolicy(3, 3, seed=1))
     assert float((enum.prefix_energy_exact - enum.prefix_energy_proxy).abs().max()) < ATOL
+
+
+def test_shared_policy_logits_are_its_documented_formula():
+    """SharedPolicy: logits_t = U tanh(E[y_{t−1}] + P_t) + b with y_0 = BOS (id V), θ packed as E, P, U, b."""
+    policy = SharedPolicy(vocab=3, horizon=4, width=2, seed=5)
+    v, d, length = 3, 2, 4
+    sizes = [(v + 1) * d, length * d, v * d, v]
+    E, P, U, b = (t.view(shape) for t, shape in zip(policy.theta.split(sizes), [(v + 1, d), (length, d), (v, d), (v,)]))
+    tokens = torch.tensor([[0, 2, 1, 1], [2, 2, 0, 1]])
+    previous = torch.tensor([[v, 0, 2, 1], [v, 2, 2, 0]])
+    expected = torch.stack(
+        [torch.stack([U @ torch.tanh(E[p] + P[t]) + b for t, p in enumerate(row)]) for row in previous]
+    )
+    torch.testing.assert_close(policy.logits(policy.theta, tokens), expected, rtol=1e-15, atol=1e-15)
+
+
+def test_enumeration_keeps_the_scores_of_a_small_policy_by_default():
+    """keep_scores (default: when small): a policy of a few hundred responses keeps s_t; False drops them."""
+    policy = TreePolicy(vocab=3, horizon=3, seed=1)
+    assert enumerate_policy(policy).scores is not None
+    assert enumerate_policy(policy, keep_scores=False).scores is None
+
+
+@pytest.mark.parametrize("vocab, horizon", [(1, 2), (3, 0)])
+def test_a_vocabulary_of_one_token_or_a_horizon_of_zero_is_refused(vocab, horizon):
+    with pytest.raises(ValueError, match="^vocab: need >= 2 tokens and horizon >= 1"):
+        enumerate_responses(vocab, horizon)
+
+
+def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
+    """Scores are taken in chunks of at most _JACOBIAN_CHUNK_ELEMENTS numbers (at least one response per chunk):
+    memory only, the same Gram matrices."""
+    from otb_ref.exact import policies
+
+    policy = SharedPolicy(vocab=3, horizon=3, seed=2)
+    want = enumerate_policy(policy).gram
+    monkeypatch.setattr(policies, "_JACOBIAN_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(enumerate_policy(policy).gram, want, rtol=1e-14, atol=1e-14)
+
+
+def test_theta_is_scale_times_standard_normal_draws_one_logit_vector_per_prefix():
+    """TreePolicy: θ_h ∈ R^V for every prefix h of fewer than L non-EOS tokens (Σ_t (V − 1)^t of them), drawn as
+    scale × N(0, 1) from the seed."""
+    vocab, horizon = 3, 3
+    policy = TreePolicy(vocab=vocab, horizon=horizon, seed=6)
+    assert policy.theta.numel() == vocab * sum((vocab - 1) ** t for t in range(horizon))
+    torch.testing.assert_close(TreePolicy(vocab, horizon, scale=2.5, seed=6).theta, 2.5 * policy.theta, rtol=0, atol=0)
+    torch.testing.assert_close(SharedPolicy(3, 2, scale=0.5, seed=6).theta, 0.5 * SharedPolicy(3, 2, seed=6).theta)
+
+
+def test_off_the_mask_sum_pi_squared_is_one_and_the_energy_zero():
+    """Enumeration's conventions past a response's end: Σπ² = 1, proxy energy w = 0, log π = 0."""
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=3, seed=7))
+    off = enum.mask == 0
+    assert bool(off.any())
+    assert bool((enum.sum_pi_squared[off] == 1.0).all() and (enum.energy[off] == 0).all())
+    assert bool((enum.log_probs[off] == 0).all())
+
+
+def test_tree_policy_gives_every_prefix_its_own_logits_and_policies_have_eos_by_default():
+    """TreePolicy is tabular: two positions share a logit row iff their prefixes (tokens before them) are equal.
+    By default both policies have an EOS token, so responses come in several lengths."""
+    policy = TreePolicy(vocab=3, horizon=3)
+    tokens, mask = enumerate_responses(3, 3)
+    theta = torch.arange(policy.theta.numel(), dtype=torch.float64)  # row r of the table holds 3r, 3r + 1, 3r + 2
+    rows = (policy.logits(theta, tokens)[..., 0] / 3).long()  # [M, L] table row used at each position
+    owner = {}
+    for response, length in zip(tokens.tolist(), mask.sum(-1).long().tolist()):
+        for t in range(length):
+            owner.setdefault(tuple(response[:t]), set()).add(int(rows[tokens.tolist().index(response), t]))
+    assert all(len(used) == 1 for used in owner.values())  # equal prefixes: one row
+    assert len({next(iter(used)) for used in owner.values()}) == len(owner)  # different prefixes: different rows
+    for default in (TreePolicy(3, 3), SharedPolicy(3, 3)):
+        assert len(set(enumerate_policy(default).mask.sum(-1).tolist())) > 1
