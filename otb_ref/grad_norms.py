@@ -102,7 +102,9 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
         model: the module whose trainable parameters θ are differentiated. Every trainable parameter
             must belong directly to an ``nn.Linear``, ``nn.Embedding`` or norm layer (else ValueError).
         objective: runs the forward of ``model`` on a batch of B rows and returns ``f``, ``[B]``, where
-            ``f_i`` depends on row i's inputs only. Called once, with autograd on.
+            ``f_i`` depends on row i's inputs only. Called once, with autograd on. The backward starts at the
+            outputs of the layer calls whose input needs no gradient (embeddings, layers on frozen features), or
+            at every layer output when there is none: inputs that require grad must not be mixed with such calls.
 
     Returns:
         ``[B]`` float32 (accumulated in float64). The parameters' ``.grad`` fields are not touched.
