@@ -432,16 +432,19 @@ def test_norm_layers_of_the_form_w_n_plus_b_take_the_fast_path_and_the_rest_the_
         grad_norms, "_norm_layer_row_grads_vjp", lambda call, *a: fallback.append(call.module) or real(call, *a)
     )
     ids, response, _ = padded_batch(seed=13, vocab=13)
-    for norm, fast in [
-        (nn.RMSNorm(8), True),
-        (OnePlusRMSNorm(8), False),
-        (SmallOnePlusRMSNorm(8), False),
-        (GainNorm(8), False),
-        (PositionNorm(ids.shape[1]), False),  # 11 positions, width 16 below
-        (MeanWeightNorm(8), False),  # left at its weight of ones below
-    ]:
+    for case, (norm, fast) in enumerate(
+        [
+            (nn.RMSNorm(8), True),
+            (OnePlusRMSNorm(8), False),
+            (SmallOnePlusRMSNorm(8), False),
+            (GainNorm(8), False),
+            (PositionNorm(ids.shape[1]), False),  # 11 positions, width 16 below (a weight shorter than the width)
+            (PositionNorm(ids.shape[1]), False),  # the same at width 8 (a weight longer than the width)
+            (MeanWeightNorm(8), False),  # left at its weight of ones below
+        ]
+    ):
         torch.manual_seed(13)
-        model = LayerNormLM(width=16 if isinstance(norm, PositionNorm) else 8)
+        model = LayerNormLM(width=16 if case == 4 else 8)
         model.norm_out = norm
         with torch.no_grad():
             for p in model.parameters():
