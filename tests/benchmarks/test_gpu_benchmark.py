@@ -24,3 +24,19 @@ def test_gpu_benchmark_quick_on_cpu():
     assert {r["activation_checkpointing"] for r in update} == {False, True}
     assert all(r["mfu"] >= 0 and r["tokens_per_s"] > 0 for r in update)
     assert {r["top_p"] for r in records if r["bench"] == "sampling"} == {1.0, 0.9}
+
+
+def test_train_step_benchmark_quick_on_cpu():
+    """benchmarks/gpu_train_step.py --quick: train.py runs under torchrun and on checkpoints whose EOS never wins a
+    draw (every response runs to the cap), and the records carry per-phase seconds; no timing asserted."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_step.py"), "--quick", "--variants", "micro16"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r for r in records if "error" in r] == []
+    assert [r["bench"] for r in records] == ["torchrun", "generation", "generation", "train_step", "train_step"]
+    assert records[0]["steps"] == 3 and records[0]["backend"] == "gloo"
+    for record in records[1:]:
+        assert record["static_decode"] is False  # CPU: the model's own forward by default
+    assert all(r["truncated_fraction"] == 1.0 for r in records[1:3])
+    step = records[-1]
+    assert set(step["seconds"]) == {"rollout", "logprobs", "advantages", "update"} and step["mfu"] >= 0
