@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness import emit, machine  # noqa: E402
 from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
 
 EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
@@ -96,24 +96,23 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
-def run_train(command: list[str], output_dir: Path, timeout_s: float) -> tuple[list[dict], dict, str]:
-    """(metrics records, config.json, stderr tail) of one train.py run; raises with stderr's tail on failure."""
+def run_train(command: list[str], output_dir: Path, timeout_s: float) -> tuple[list[dict], dict]:
+    """(metrics records, config.json) of one train.py run; raises with stderr's tail on failure."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    tail = "\n".join(done.stderr.strip().splitlines()[-12:])
     if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-12:])
         raise RuntimeError(f"exit status {done.returncode}: {tail}")
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return records, json.loads((output_dir / "config.json").read_text()), tail
+    return records, json.loads((output_dir / "config.json").read_text())
 
 
 class Bench:
     """Prints (and appends to ``--out``) one record per case, with the machine and the command."""
 
     def __init__(self, out: str | None):
-        cuda = torch.cuda.is_available()
         self.common = {
-            "machine": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or 'unknown'})",
+            "machine": machine(),
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
             "date": time.strftime("%Y-%m-%d"),
@@ -122,11 +121,7 @@ class Bench:
         self.out = open(out, "a") if out else None
 
     def emit(self, record: dict) -> None:
-        line = json.dumps({**record, **self.common})
-        print(line, flush=True)
-        if self.out:
-            self.out.write(line + "\n")
-            self.out.flush()
+        emit({**record, **self.common}, self.out)
 
 
 def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str]) -> list[str]:
@@ -140,7 +135,7 @@ def case_generation(bench: Bench, args, scratch: Path) -> None:
     checkpoint, output_dir = scratch / "generation_model", scratch / "generation_run"
     parameters = write_checkpoint(checkpoint, QUICK if args.quick else GENERATION)
     command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"])
-    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    records, config = run_train(command, output_dir, args.case_timeout)
     for record in records:
         bench.emit(
             {
@@ -163,7 +158,7 @@ def case_generation(bench: Bench, args, scratch: Path) -> None:
 def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant: str) -> None:
     output_dir = scratch / f"step_{variant}"
     command = train_command(args, checkpoint, output_dir, [*([] if args.quick else STEP_ROWS), *VARIANTS[variant]])
-    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    records, config = run_train(command, output_dir, args.case_timeout)
     for record in records:
         phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
         tflops, cuda_run = record["throughput/update_model_tflops"], "memory/peak_allocated_gib" in record
@@ -195,7 +190,7 @@ def case_torchrun(bench: Bench, args, scratch: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
     command += ["--steps", "3", "--output-dir", str(output_dir), "--sample-every", "0"]
     started = time.perf_counter()
-    records, config, _ = run_train(command, output_dir, args.case_timeout)
+    records, config = run_train(command, output_dir, args.case_timeout)
     checkpoints = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
     bench.emit(
         {
