@@ -39,8 +39,9 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
+from otb_ref.proxy import _chunk_logits, _default_chunk_size
 
-__all__ = ["row_grad_norms_sq", "sequence_grad_norms_sq"]
+__all__ = ["lm_head_log_probs", "plain_lm_head", "row_grad_norms_sq", "sequence_grad_norms_sq"]
 
 # Elements of the largest temporary (per-row gradients or Gram matrices) per block of rows.
 _BLOCK_ELEMENTS = 1 << 27
@@ -49,6 +50,8 @@ _BLOCK_ELEMENTS = 1 << 27
 _AFFINE_NORM_CLASSES: dict[type, bool] = {}
 # How linear layers' weight norms are computed: "auto" (the cheaper form per call), "gram" or "materialize".
 LINEAR_METHOD = "auto"
+# The tapes recording a forward now (innermost last): where lm_head_log_probs records its call.
+_RECORDING: list = []
 
 
 def sequence_grad_norms_sq(
@@ -57,6 +60,8 @@ def sequence_grad_norms_sq(
     response_mask: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    chunked_lm_head: bool = False,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` for every row, in one forward + backward (F3).
 
@@ -73,6 +78,11 @@ def sequence_grad_norms_sq(
             must be 0 (token 0 has no predicting position).
         attention_mask: optional ``[B, L]`` 0/1 passed to the model (left or right padding).
         temperature: ``τ > 0``.
+        chunked_lm_head: False: the model's own logits ``[B, L, V]``. True: no ``[B, L, V]`` tensor: the hidden
+            states of ``model.get_decoder()`` (a Hugging Face causal LM) go through :func:`lm_head_log_probs` with
+            ``model.get_output_embeddings()``, which must compute plain ``h Wᵀ`` logits (refused: a head bias,
+            ``final_logit_softcapping`` or a ``logit_scale`` ≠ 1 in ``model.config``).
+        chunk_size: vocabulary rows per chunk of the chunked head (default: see :func:`lm_head_log_probs`).
 
     Returns:
         ``[B]`` float32 (accumulated in float64), ``>= 0``; 0 for an empty response.
@@ -82,17 +92,50 @@ def sequence_grad_norms_sq(
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     if accepts_keyword(model, "use_cache"):
         kwargs["use_cache"] = False
+    targets = input_ids[:, 1:].long()  # [B, L-1]: position t - 1 predicts token t
+    if chunked_lm_head:
+        decoder, head = plain_lm_head(model)
+
+        def log_probs_of_targets() -> torch.Tensor:  # [B, L-1]
+            hidden = decoder(input_ids, **kwargs)
+            hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+            return lm_head_log_probs(hidden[:, :-1], head, targets, tau, chunk_size)
+
+    else:
+
+        def log_probs_of_targets() -> torch.Tensor:  # [B, L-1]
+            logits = logits_of(model(input_ids, **kwargs))  # [B, L, V]
+            dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            z = logits[:, :-1].to(dtype) / tau  # [B, L-1, V]
+            return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
 
     def response_log_likelihood() -> torch.Tensor:  # [B]
-        logits = logits_of(model(input_ids, **kwargs))  # [B, L, V]
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        z = logits[:, :-1].to(dtype) / tau  # [B, L-1, V]: position t - 1 predicts token t
-        targets = input_ids[:, 1:].long()  # [B, L-1]
-        log_probs = z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)  # [B, L-1]
-        return (log_probs * mask[:, 1:].to(dtype)).sum(dim=1)  # [B]
+        log_probs = log_probs_of_targets()
+        return (log_probs * mask[:, 1:].to(log_probs.dtype)).sum(dim=1)
 
     with _eval_mode(model):
         return row_grad_norms_sq(model, response_log_likelihood)
+
+
+def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """``(model.get_decoder(), model.get_output_embeddings())`` of a Hugging Face causal LM whose logits are plain
+    ``h Wᵀ``; ValueError otherwise (no such methods, a head that is not a bias-free ``nn.Linear``, or a config with
+    ``final_logit_softcapping`` or ``logit_scale`` ≠ 1)."""
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    config = getattr(model, "config", None)
+    if (
+        not callable(get_decoder)
+        or not isinstance(head, nn.Linear)
+        or head.bias is not None
+        or getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logit_scale", None) not in (None, 1.0)
+    ):
+        raise ValueError(
+            "chunked_lm_head: the model must be a causal LM with get_decoder() and a bias-free nn.Linear from "
+            "get_output_embeddings() computing plain logits h Wᵀ (no soft-capping or scaling)"
+        )
+    return get_decoder(), head
 
 
 def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -112,16 +155,191 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     tape = _Tape(model)
-    with torch.inference_mode(False), torch.enable_grad(), tape.recording():
-        f = objective()
-    if not isinstance(f, torch.Tensor) or f.dim() != 1:
-        raise ValueError(f"objective: expected a [B] tensor of per-row values, got {_describe(f)}")
-    tape.start_backward(rows=f.shape[0], device=f.device)
-    with torch.inference_mode(False), torch.enable_grad(), tape.attached():
-        sources = tape.sources()
-        if sources and f.requires_grad:
-            torch.autograd.grad(f.sum(), sources, allow_unused=True)
-    return tape.finish().float()
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), tape.recording():
+            f = objective()
+        if not isinstance(f, torch.Tensor) or f.dim() != 1:
+            raise ValueError(f"objective: expected a [B] tensor of per-row values, got {_describe(f)}")
+        tape.start_backward(rows=f.shape[0], device=f.device)
+        with torch.inference_mode(False), torch.enable_grad():
+            sources = tape.sources()
+            if sources and f.requires_grad:
+                torch.autograd.grad(f.sum(), sources, allow_unused=True)
+        return tape.finish().float()
+    finally:
+        tape.detach_hooks()
+
+
+# --------------------------------------------------------------------------- the LM head, chunked over the vocabulary
+
+
+def lm_head_log_probs(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``log π(y_t) = z_t[y_t] − logsumexp(z_t)`` with ``z_t = W h_t / τ``, never forming ``[B, T, V]`` logits.
+
+    The head's weight ``W`` [V, d] is taken ``chunk_size`` vocabulary rows at a time: forward keeps a running
+    logsumexp, backward recomputes each chunk's logits, so the largest buffers are ``[B·T, chunk]``. Differentiable
+    in ``hidden`` and ``W``. Inside :func:`row_grad_norms_sq`'s objective it is the head's recorded call: with the
+    gradient at the logits ``c_t = g_t (e_{y_t} − π_t) / τ`` (``g`` the gradient at the log-probs), its backward adds
+    the head weight's per-row ``||Σ_t c_t h_tᵀ||²`` chunk by chunk (the sum over chunks of the chunks' squares:
+    Gram form ``Σ_{s,t} (h_s·h_t)(c_s·c_t)`` or materialised, whichever is cheaper, as for any linear layer) and
+    keeps ``c_t[x_s]`` for a weight tied to the input embedding; ``W``'s own gradient is then not formed.
+
+    Args:
+        hidden: ``[B, T, d]`` final hidden states (what the head multiplies), floating.
+        lm_head: an ``nn.Linear`` without bias; weight ``[V, d]`` of hidden's dtype and device.
+        targets: ``[B, T]`` integer ids in ``[0, V)``.
+        temperature: ``τ > 0``.
+        chunk_size: vocabulary rows per chunk. Default: a chunk's largest buffer at about 4M elements on CPU (64M
+            on accelerators), the budget of :func:`otb_ref.logprobs_and_sum_pi_squared`.
+
+    Returns:
+        ``[B, T]`` float32 (float64 for float64 input).
+    """
+    weight = _check_head(hidden, lm_head, targets)
+    inv_tau = 1.0 / positive_scalar("temperature", temperature)
+    rows, positions, width = hidden.shape
+    if chunk_size is None:
+        per_entry = max(rows * positions, rows * width)  # the chunk's logits; its materialised head gradients
+        chunk_size = _default_chunk_size(weight.shape[0], per_entry, hidden.device)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    recorded = None
+    if _RECORDING and torch.is_grad_enabled():
+        tape = _RECORDING[-1]
+        call, hidden = tape.record_chunked_head(lm_head, hidden)
+        if call is not None:
+            recorded, weight = (tape, call), weight.detach()  # the tape books W's norms; W's gradient is not needed
+    return _ChunkedHead.apply(hidden, weight, targets.long(), inv_tau, chunk_size, recorded)
+
+
+def _check_head(hidden, lm_head, targets) -> torch.Tensor:
+    """The head's weight, after checking the three arguments of :func:`lm_head_log_probs`."""
+    require_tensor("hidden", hidden)
+    require_tensor("targets", targets)
+    if hidden.dim() != 3 or not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected floating [B, T, d], got {hidden.dtype} {tuple(hidden.shape)}")
+    if not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
+        raise ValueError(f"lm_head: expected an nn.Linear without bias, got {lm_head!r}")
+    weight = lm_head.weight
+    if weight.shape[1] != hidden.shape[2] or weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"lm_head: weight {weight.dtype} {tuple(weight.shape)} on {weight.device} does not match hidden "
+            f"{hidden.dtype} {tuple(hidden.shape)} on {hidden.device}"
+        )
+    if targets.shape != hidden.shape[:2] or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise ValueError(
+            f"targets: expected integer ids {tuple(hidden.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}"
+        )
+    if targets.numel():
+        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host read
+        if low < 0 or high >= weight.shape[0]:
+            raise ValueError(f"targets: token ids must lie in [0, {weight.shape[0]}) (the rows of the head's weight)")
+    return weight
+
+
+def _vocab_chunks(vocab: int, chunk_size: int):
+    for start in range(0, vocab, chunk_size):
+        yield slice(start, min(vocab, start + chunk_size))
+
+
+def _in_chunk(ids: torch.Tensor, chunk: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids − chunk.start clamped into the chunk, whether the id lies in it)``, both shaped like ``ids``."""
+    inside = (ids >= chunk.start) & (ids < chunk.stop)
+    return (ids - chunk.start).clamp(0, chunk.stop - chunk.start - 1), inside
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """``log π(y)`` through an LM head chunked over the vocabulary (see :func:`lm_head_log_probs`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_tau, chunk_size, recorded):  # noqa: D401
+        h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [N, d], [N]
+        dtype = _accumulate_dtype(hidden)
+        running_max = torch.full(y.shape, -torch.inf, dtype=dtype, device=h.device)
+        running_sum = torch.zeros_like(running_max)
+        target_logit = torch.zeros_like(running_max)
+        for chunk in _vocab_chunks(weight.shape[0], chunk_size):
+            z = _chunk_logits(h, weight[chunk], inv_tau, dtype)  # [N, c]
+            local, inside = _in_chunk(y, chunk)
+            target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
+            new_max = torch.maximum(running_max, z.amax(dim=1))
+            running_sum = running_sum * (running_max - new_max).exp() + z.sub_(new_max[:, None]).exp_().sum(dim=1)
+            running_max = new_max
+        logsumexp = running_max + running_sum.log()  # [N]
+        ctx.save_for_backward(hidden, weight, targets, logsumexp)
+        ctx.inv_tau, ctx.chunk_size, ctx.recorded = inv_tau, chunk_size, recorded
+        return target_logit.view(targets.shape) - logsumexp.view(targets.shape)  # a fresh tensor, not a view
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_probs):
+        hidden, weight, targets, logsumexp = ctx.saved_tensors
+        h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        dtype = logsumexp.dtype
+        g = grad_log_probs.reshape(-1).to(dtype)  # [N]
+        grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        norms = _HeadNorms(*ctx.recorded, hidden, weight.shape[0]) if ctx.recorded else None
+        for chunk in _vocab_chunks(weight.shape[0], ctx.chunk_size):
+            z = _chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
+            c = z.sub_(logsumexp[:, None]).exp_().mul_(-g[:, None])  # −g π
+            local, inside = _in_chunk(y, chunk)
+            c.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])  # + g e_y
+            c = c.mul_(ctx.inv_tau).to(hidden.dtype)  # [N, c]: the gradient at the head's output
+            if grad_h is not None:
+                grad_h += (c @ weight[chunk]).to(dtype)
+            if grad_w is not None:
+                grad_w[chunk] = c.T @ h
+            if norms is not None:
+                norms.add(c.view(*targets.shape, -1), chunk)
+        if norms is not None:
+            norms.book()
+        grad_h = grad_h.to(hidden.dtype).view(hidden.shape) if grad_h is not None else None
+        return grad_h, grad_w, None, None, None, None
+
+
+class _HeadNorms:
+    """A chunked head call's per-row ``||Σ_t c_t h_tᵀ||²`` and tied embeddings' ``c_t[x_s]``, chunk by chunk."""
+
+    def __init__(self, tape: _Tape, call: _Call, hidden: torch.Tensor, vocab: int):
+        self.tape, self.call, self.hidden = tape, call, hidden  # hidden [B, T, d]
+        rows, positions, width = hidden.shape
+        partners = tape.partners(call)
+        if any(p.kind != "embedding" for p in partners):
+            raise ValueError(
+                "lm_head: its weight is used by another call than the input embedding's; lm_head_log_probs "
+                "supports a head tied to the input embedding only"
+            )
+        self.ids = {id(e): _ids(e, rows) for e in partners}  # [B, S] each
+        dtype = _accumulate_dtype(hidden)
+        self.at_ids = {
+            k: torch.zeros(rows, positions, v.shape[1], dtype=dtype, device=v.device) for k, v in self.ids.items()
+        }
+        self.gram = _use_gram(positions, width, vocab)
+        self.cc = torch.zeros(rows, positions, positions, dtype=dtype, device=hidden.device) if self.gram else None
+        self.norms = torch.zeros(rows, dtype=torch.float64, device=hidden.device)
+
+    def add(self, c: torch.Tensor, chunk: slice) -> None:
+        """One chunk's logit gradients ``c`` [B, T, c] (vocabulary rows ``chunk``)."""
+        if self.gram:  # Σ_chunks c_s·c_t
+            self.cc += _bmm(c, c.transpose(1, 2))
+        else:  # Σ_chunks ||c_iᵀ h_i||²
+            self.norms += _squared_norms(_bmm(c.transpose(1, 2), self.hidden))
+        for key, ids in self.ids.items():
+            local, inside = _in_chunk(ids, chunk)  # [B, S]
+            found = c.gather(2, local[:, None, :].expand(-1, c.shape[1], -1))  # [B, T, S]
+            self.at_ids[key] += found.to(self.at_ids[key].dtype) * inside[:, None, :]
+
+    def book(self) -> None:
+        if self.gram:  # Σ_{s,t} (h_s·h_t)(c_s·c_t)
+            self.norms = (_bmm(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(dim=(1, 2), dtype=torch.float64)
+        self.tape.book(self.call, [self.norms], self.at_ids)
 
 
 # --------------------------------------------------------------------------- per-call records
@@ -134,7 +352,7 @@ class _Call:
     module: nn.Module
     kind: str  # "linear" | "embedding" | "norm"
     inputs: torch.Tensor  # linear: a [B, T, d_in]; embedding: ids [B, T]; norm: x [B, ...]
-    output: torch.Tensor
+    output: torch.Tensor | None  # kept where the backward may start (a source) and for norm layers; else None
     params: dict[str, torch.Tensor]  # norm layers: parameter values at forward time
     input_needs_grad: bool  # False: a source of the backward (e.g. the token embedding)
     arrived: bool = False  # the output gradient g has been seen
@@ -150,21 +368,29 @@ class _Shared:
 
 
 class _Tape:
-    """Forward hooks that record layer calls; output-gradient hooks that turn them into per-row norms."""
+    """Forward hooks that record layer calls; output-gradient hooks that turn them into per-row norms.
+
+    A call keeps its input (what its parameters' gradients are made of), not its output: the gradient hook is set on
+    the output at the call, and outputs are kept only where the backward starts (the sources)."""
 
     def __init__(self, model: nn.Module):
         self.layers = _supported_layers(model)
         self.calls: list[_Call] = []
         self.total: torch.Tensor | None = None
+        self.hooks: list = []  # handles of the output-gradient hooks
+        self.candidates: list[torch.Tensor] = []  # every output, until a call whose input needs no gradient is seen
+        self.has_source = False
 
     @contextlib.contextmanager
     def recording(self):
         """The forward hooks, for the objective's forward only (none is left during the backward, where norm layers
-        are recomputed)."""
+        are recomputed); :func:`lm_head_log_probs` finds the tape here."""
         handles = [m.register_forward_hook(self._record) for m in self.layers]
+        _RECORDING.append(self)
         try:
             yield
         finally:
+            _RECORDING.remove(self)
             for h in handles:
                 h.remove()
 
@@ -181,8 +407,30 @@ class _Tape:
                 "use torch.utils.checkpoint with use_reentrant=False)"
             )
         params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)} if kind == "norm" else {}
-        needs_grad = kind != "embedding" and args[0].requires_grad
-        self.calls.append(_Call(module, kind, args[0].detach(), output, params, needs_grad))
+        is_source = kind == "embedding" or not args[0].requires_grad
+        kept = output if is_source or kind == "norm" else None  # a norm layer's output: its form's check
+        call = _Call(module, kind, args[0].detach(), kept, params, not is_source)
+        self.calls.append(call)
+        self.hooks.append(output.register_hook(lambda g: self._add(call, g.detach())))
+        if is_source:
+            self.has_source = True
+            self.candidates.clear()
+        elif not self.has_source:
+            self.candidates.append(output)
+
+    def record_chunked_head(self, module: nn.Module, hidden: torch.Tensor) -> tuple[_Call | None, torch.Tensor]:
+        """``(call, hidden)`` for :func:`lm_head_log_probs` on ``module``, whose backward books the call's norms;
+        ``(None, hidden)`` when the head has no trainable weight. Hidden states that need no gradient become a leaf
+        that does, where the backward starts."""
+        if module not in self.layers or self.layers[module] != "linear":
+            return None, hidden
+        is_source = not hidden.requires_grad
+        if is_source:
+            hidden = hidden.detach().requires_grad_()
+            self.has_source = True
+            self.candidates.clear()
+        self.calls.append(_Call(module, "linear", hidden.detach(), hidden if is_source else None, {}, not is_source))
+        return self.calls[-1], hidden
 
     def start_backward(self, rows: int, device: torch.device) -> None:
         for call in self.calls:
@@ -194,45 +442,45 @@ class _Tape:
         self.total = torch.zeros(rows, dtype=torch.float64, device=device)
         self.shared = _shared_parameters(self.calls)
 
-    @contextlib.contextmanager
-    def attached(self):
-        handles = [call.output.register_hook(self._hook(call)) for call in self.calls]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     def sources(self) -> list[torch.Tensor]:
-        """Outputs of calls whose input needs no gradient: the backward to them passes every layer."""
-        found = [c.output for c in self.calls if not c.input_needs_grad]
-        return found or [c.output for c in self.calls]
+        """Outputs of calls whose input needs no gradient: the backward to them passes every layer (else every
+        layer output)."""
+        return [c.output for c in self.calls if not c.input_needs_grad] or self.candidates
 
-    def _hook(self, call: _Call):
-        def on_grad(g: torch.Tensor) -> None:
-            self._add(call, g.detach())
+    def detach_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.candidates.clear()
 
-        return on_grad
-
-    def _add(self, call: _Call, g: torch.Tensor) -> None:
-        for norm_sq in _own_norms_sq(call, g).values():
-            self.total += norm_sq
-        call.arrived = True
-        partners = [
+    def partners(self, call: _Call) -> list[_Call]:
+        """The other calls that use one of ``call``'s trainable parameters."""
+        return [
             c
             for p in _trainable(call.module).values()
             if id(p) in self.shared
             for c, _ in self.shared[id(p)].calls
             if c is not call
         ]
+
+    def _add(self, call: _Call, g: torch.Tensor) -> None:
+        """The output gradient ``g`` of a recorded call: its parameters' norms, and what cross terms need."""
+        partners = self.partners(call)
         if call.kind == "linear" and partners and all(c.kind == "embedding" for c in partners):
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)
-            for embedding in partners:
-                ids = embedding.inputs.reshape(c.shape[0], -1).long()  # [B, S]
-                call.grad_at_ids[id(embedding)] = c.gather(2, ids[:, None, :].expand(-1, c.shape[1], -1))
-        elif partners:
+            at_ids = {id(e): c.gather(2, _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1)) for e in partners}
+            self.book(call, _own_norms_sq(call, g).values(), at_ids)
+            return
+        if partners:
             call.grad = g
+        self.book(call, _own_norms_sq(call, g).values(), {})
+
+    def book(self, call: _Call, norms_sq, grad_at_ids: dict[int, torch.Tensor]) -> None:
+        for norm_sq in norms_sq:
+            self.total += norm_sq
+        call.grad_at_ids.update(grad_at_ids)
+        call.arrived = True
 
     def finish(self) -> torch.Tensor:
         for shared in self.shared.values():
@@ -343,14 +591,9 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None 
     "materialize". Returns [B] float64.
     """
     rows, positions, d_in = a.shape
-    d_out = g.shape[-1]
-    method = method or LINEAR_METHOD
-    if method not in ("auto", "gram", "materialize"):
-        raise ValueError(f"method: expected 'auto', 'gram' or 'materialize', got {method!r}")
-    cheaper = positions * positions * (d_in + d_out) < positions * d_in * d_out
-    gram = method == "gram" or (method == "auto" and cheaper)
+    gram = _use_gram(positions, d_in, g.shape[-1], method)
     out = torch.empty(rows, dtype=torch.float64, device=a.device)
-    per_row = positions * positions if gram else d_in * d_out
+    per_row = positions * positions if gram else d_in * g.shape[-1]
     for r in _row_blocks(rows, per_row):
         if gram:  # Σ_{s,t} (a_s · a_t)(g_s · g_t)
             aa = _bmm(a[r], a[r].transpose(1, 2))  # [b, T, T]
@@ -359,6 +602,16 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None 
         else:  # ||G_i||², G_i = g_iᵀ a_i
             out[r] = _squared_norms(_bmm(g[r].transpose(1, 2), a[r]))
     return out
+
+
+def _use_gram(positions: int, d_in: int, d_out: int, method: str | None = None) -> bool:
+    """Whether a linear weight's norm takes the Gram form: cost ``T² (d_in + d_out)`` against the materialised
+    gradient's ``T d_in d_out`` ("auto"), or as ``method`` (default ``LINEAR_METHOD``) says."""
+    method = method or LINEAR_METHOD
+    if method not in ("auto", "gram", "materialize"):
+        raise ValueError(f"method: expected 'auto', 'gram' or 'materialize', got {method!r}")
+    cheaper = positions * positions * (d_in + d_out) < positions * d_in * d_out
+    return method == "gram" or (method == "auto" and cheaper)
 
 
 def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -467,6 +720,11 @@ def _cross(call_a: _Call, name_a: str, call_b: _Call, name_b: str) -> torch.Tens
 
 def _rows3(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _ids(embedding: _Call, rows: int) -> torch.Tensor:
+    """An embedding call's ids as ``[B, S]`` int64."""
+    return embedding.inputs.reshape(rows, -1).long()
 
 
 # --------------------------------------------------------------------------- helpers

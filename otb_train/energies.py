@@ -36,7 +36,7 @@ def sequence_norms(policy: nn.Module, sequences, attention, positions, response_
     (possibly sharded) policy: otb_ref.row_grad_norms_sq on the policy's own forward and positions."""
 
     def log_likelihood():  # [B]
-        log_probs, _ = policy(sequences, attention, positions, targets=response_ids, full_logits=True)
+        log_probs, _ = policy(sequences, attention, positions, targets=response_ids, for_grad_norms=True)
         return (log_probs * mask).sum(dim=1)
 
     return row_grad_norms_sq(policy, log_likelihood)

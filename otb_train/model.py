@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from otb_ref import logprobs_and_sum_pi_squared
-from otb_ref.grad_norms import accepts_keyword
+from otb_ref.grad_norms import accepts_keyword, lm_head_log_probs
 from otb_train import distributed
 from otb_train.config import Config, UserError
 from otb_train.tasks import CharTokenizer
@@ -25,7 +25,7 @@ class Policy(nn.Module):
     * ``forward(ids, mask, positions, cache)`` -> :meth:`next_token_logits` (generation);
     * ``forward(ids, mask, positions, targets=[B, T])`` -> :meth:`log_probs_and_sum_pi_squared` (old log-probs
       and the update);
-    * ``forward(..., targets=..., full_logits=True)`` -> :meth:`log_probs_through_lm_head` (one-pass ``||S||²``).
+    * ``forward(..., targets=..., for_grad_norms=True)`` -> :meth:`log_probs_for_grad_norms` (one-pass ``||S||²``).
     """
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_size: int | None):
@@ -33,7 +33,7 @@ class Policy(nn.Module):
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
         self.cache_name = cache_keyword(lm.get_decoder())
 
-    def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, full_logits=False):
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, targets=None, for_grad_norms=False):
         out = self.lm.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -44,8 +44,8 @@ class Policy(nn.Module):
         if targets is None:
             return self.next_token_logits(out.last_hidden_state), getattr(out, self.cache_name)
         hidden = out.last_hidden_state[:, -targets.shape[1] - 1 : -1]  # position j-1 predicts token j
-        if full_logits:
-            return self.log_probs_through_lm_head(hidden, targets), None
+        if for_grad_norms:
+            return self.log_probs_for_grad_norms(hidden, targets), None
         return self.log_probs_and_sum_pi_squared(hidden, targets)
 
     def next_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -60,11 +60,10 @@ class Policy(nn.Module):
         )
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
-    def log_probs_through_lm_head(self, hidden, targets) -> torch.Tensor:
-        """``log π(targets)`` [B, T] through the LM-head module itself ([B, T, V] logits), whose call
-        ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
-        z = self.lm.get_output_embeddings()(hidden).float() / self.temperature
-        return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
+    def log_probs_for_grad_norms(self, hidden, targets) -> torch.Tensor:
+        """``log π(targets)`` [B, T] through ``otb_ref.grad_norms.lm_head_log_probs`` (chunked over the vocabulary,
+        no [B, T, V]), whose call ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
+        return lm_head_log_probs(hidden, self.lm.get_output_embeddings(), targets, self.temperature)
 
 
 def cache_keyword(decoder: nn.Module) -> str:

@@ -677,3 +677,132 @@ def test_row_blocks_under_a_small_budget_give_the_same_norms(monkeypatch):
     want = sequence_grad_norms_sq(model, ids, response)
     monkeypatch.setattr(grad_norms, "_BLOCK_ELEMENTS", 4)
     torch.testing.assert_close(sequence_grad_norms_sq(model, ids, response), want, rtol=1e-6, atol=0)  # float32
+
+
+# --------------------------------------------------------------------------- the LM head chunked over the vocabulary
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("method", ["gram", "materialize"])
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+def test_f3_chunked_lm_head_gives_the_exact_norms(family, tied, method, chunk_size, monkeypatch):
+    """No [B, L, V] logits: the head's norm (and a tied head's cross term) summed over vocabulary chunks, exact."""
+    monkeypatch.setattr(grad_norms, "LINEAR_METHOD", method)
+    model = tiny_lm(family, tied, seed=11)
+    ids, response, attention = padded_batch(seed=11)
+    got = sequence_grad_norms_sq(
+        model, ids, response, attention, temperature=0.7, chunked_lm_head=True, chunk_size=chunk_size
+    )
+    expected = exact_norms(model, ids, response, attention, temperature=0.7)
+    torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
+    assert float(got[4]) == 0.0
+
+
+def test_lm_head_log_probs_and_gradients_equal_the_full_logits():
+    """Values, and gradients in hidden and W under any upstream gradient, equal log_softmax of full logits; every
+    logits buffer has at most chunk_size columns."""
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(3, 4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    head = nn.Linear(6, 11, bias=False).double()
+    targets = torch.randint(0, 11, (3, 4), generator=gen)
+    upstream = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+    widths = []
+    real_chunk_logits = grad_norms._chunk_logits
+
+    def spy(h, w, inv_tau, dtype):
+        widths.append(w.shape[0])
+        return real_chunk_logits(h, w, inv_tau, dtype)
+
+    grad_norms._chunk_logits = spy
+    try:
+        got = grad_norms.lm_head_log_probs(hidden, head, targets, temperature=1.3, chunk_size=4)
+        got_grads = torch.autograd.grad(got, [hidden, head.weight], upstream)
+    finally:
+        grad_norms._chunk_logits = real_chunk_logits
+    full = torch.log_softmax(head(hidden) / 1.3, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    expected_grads = torch.autograd.grad(full, [hidden, head.weight], upstream)
+    assert got.dtype == torch.float64 and got.shape == (3, 4)
+    torch.testing.assert_close(got, full, rtol=1e-13, atol=1e-14)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    assert widths == [4, 4, 3] * 2  # forward, then backward recomputes each chunk
+
+
+def test_a_frozen_body_under_a_trainable_chunked_head_counts_the_head():
+    """Hidden states that need no gradient: the head's call starts the backward and its norm is counted."""
+    model = tiny_lm("qwen2", tied=False, seed=13)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "lm_head.weight")
+    ids, response, attention = padded_batch(seed=13)
+    got = sequence_grad_norms_sq(model, ids, response, attention, chunked_lm_head=True, chunk_size=7)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response, attention), rtol=RTOL, atol=0)
+    assert float(got.min()) == 0.0 and float(got.max()) > 0  # the empty response; the others
+
+
+def test_chunked_lm_head_refuses_what_it_cannot_compute():
+    model = tiny_lm("qwen2", tied=False)
+    ids, response = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 1], [0, 0, 1]])
+    hidden, targets = torch.randn(2, 3, 8, dtype=torch.float64), torch.ones(2, 3, dtype=torch.long)
+    head = nn.Linear(8, 29, bias=False).double()
+    cases = [
+        (dict(lm_head=nn.Linear(8, 29).double()), "^lm_head: expected an nn.Linear without bias"),
+        (dict(lm_head=head.float()), "^lm_head: weight torch.float32"),
+        (dict(hidden=hidden[0]), r"^hidden: expected floating \[B, T, d\]"),
+        (dict(targets=targets.double()), "^targets: expected integer ids"),
+        (dict(targets=targets[:, :2]), "^targets: expected integer ids"),
+        (dict(targets=targets * 29), r"^targets: token ids must lie in \[0, 29\)"),
+        (dict(chunk_size=0), "^chunk_size: expected a positive integer"),
+        (dict(chunk_size=True), "^chunk_size: expected a positive integer"),
+        (dict(temperature=-1.0), "^temperature"),
+    ]
+    for change, message in cases:
+        args = dict(hidden=hidden, lm_head=nn.Linear(8, 29, bias=False).double(), targets=targets) | change
+        with pytest.raises(ValueError, match=message):
+            grad_norms.lm_head_log_probs(**args)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="^chunked_lm_head: the model must be a causal LM"):
+        sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True)
+    with pytest.raises(ValueError, match="^chunked_lm_head: the model must be a causal LM"):
+        sequence_grad_norms_sq(ConvLM(), ids, response, chunked_lm_head=True)
+
+
+def test_a_head_weight_used_by_a_linear_call_too_is_refused():
+    """Both the model's own head call and the chunked one on one weight: a cross term it cannot form; refused."""
+    model = tiny_lm("qwen2", tied=False)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+
+    def both():
+        out = model(ids, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        chunked = grad_norms.lm_head_log_probs(hidden, model.lm_head, ids)
+        return out.logits.sum(dim=(1, 2)) + chunked.sum(dim=1)
+
+    with pytest.raises(ValueError, match="^lm_head: its weight is used by another call"):
+        row_grad_norms_sq(model, both)
+
+
+def test_layer_outputs_are_not_kept_by_the_tape():
+    """A call keeps its input only: after the forward nothing holds the outputs of o_proj and down_proj (each goes
+    into a residual sum, which saves nothing), where a tape that kept outputs would hold all four."""
+    import gc
+    import weakref
+
+    model = tiny_lm("llama", tied=False, seed=14)
+    ids, response, attention = padded_batch(seed=14)
+    outputs = []
+    layers = [m for layer in model.model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    handles = [m.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out))) for m in layers]
+
+    def objective():
+        f = _log_likelihood(model, ids, response, attention)
+        gc.collect()
+        assert [ref() is None for ref in outputs] == [True] * 4
+        return f
+
+    try:
+        got = row_grad_norms_sq(model, objective)
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response, attention), rtol=RTOL, atol=0)
