@@ -4,7 +4,9 @@
     python benchmarks/grad_norms.py --quick     # seconds (the test suite runs this)
     python benchmarks/grad_norms.py --gpu       # one GPU: a Qwen2.5-0.5B-shaped config in bf16 (random init)
 
-Each case runs, on the same model and batch [B, T] (prompt T/4, response 3T/4):
+Each case runs, on the same model and batch [B, T] (prompt T/4, response 3T/4), with the LM head either the model's
+own (``head: "full"``, [B, T, V] logits) or ``otb_ref.grad_norms.lm_head_log_probs`` on the decoder's hidden states
+(``head: "chunked"``, chunked over the vocabulary, no [B, T, V] tensor; the only way past ~16k tokens at V = 152k):
   ordinary   ``Σ_i Σ_t m_it log π(y_it)`` forward + ``.backward()`` into the parameters' ``.grad``;
   one_pass   ``otb_ref.row_grad_norms_sq`` of the same objective (every row's ||S_i||², no ``.grad``);
   loop       one forward + backward per row, ||grad||² summed over parameters (the naive EOB). When B is
@@ -24,16 +26,23 @@ import torch
 
 from harness import machine, sync, timed
 from otb_ref import row_grad_norms_sq
+from otb_ref.grad_norms import lm_head_log_probs
 from otb_train.model import enable_hf_activation_checkpointing
 
 CPU_CASES = [
     dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
     dict(width=256, layers=4, heads=4, kv=2, ffn=1024, vocab=4096, tied=True, shape=(16, 256)),
+    dict(width=256, layers=4, heads=4, kv=2, ffn=1024, vocab=4096, tied=True, shape=(16, 256), head="chunked"),
 ]
-QUICK_CASES = [dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16))]
+QUICK_CASES = [
+    dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16)),
+    dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16), head="chunked"),
+]
 # Qwen2.5-0.5B's shape: 24 layers, width 896, 14 heads of 64, 2 KV heads, MLP 4864, vocabulary 151936, tied.
 GPU_MODEL = dict(width=896, layers=24, heads=14, kv=2, ffn=4864, vocab=151936, tied=True)
 GPU_SHAPES = [(16, 512), (32, 512), (8, 2048)]
+# Past 16k tokens (full [B, T, V] logits no longer fit): the chunked head, with and without activation checkpointing.
+GPU_CHUNKED_SHAPES = [(16, 512), (8, 4096), (16, 2048)]
 
 
 def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool = False):
@@ -66,26 +75,29 @@ def batch(rows: int, length: int, vocab: int, device: torch.device):
     return ids.to(device), mask.to(device)
 
 
-def log_likelihood(model, ids, mask) -> torch.Tensor:
-    logits = model(ids, use_cache=False).logits  # [B, T, V]
-    z = logits[:, :-1].float()
-    log_probs = z.gather(-1, ids[:, 1:, None]).squeeze(-1) - z.logsumexp(dim=-1)
+def log_likelihood(model, ids, mask, head: str = "full") -> torch.Tensor:
+    if head == "chunked":  # the decoder's hidden states through the LM head chunked over the vocabulary
+        hidden = model.get_decoder()(ids, use_cache=False).last_hidden_state  # [B, T, d]
+        log_probs = lm_head_log_probs(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:])
+    else:
+        z = model(ids, use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+        log_probs = z.gather(-1, ids[:, 1:, None]).squeeze(-1) - z.logsumexp(dim=-1)
     return (log_probs * mask[:, 1:]).sum(dim=1)  # [B]
 
 
-def ordinary(model, ids, mask):
-    log_likelihood(model, ids, mask).sum().backward()
+def ordinary(model, ids, mask, head: str = "full"):
+    log_likelihood(model, ids, mask, head).sum().backward()
     model.zero_grad(set_to_none=True)
 
 
-def one_pass(model, ids, mask) -> torch.Tensor:
-    return row_grad_norms_sq(model, lambda: log_likelihood(model, ids, mask))
+def one_pass(model, ids, mask, head: str = "full") -> torch.Tensor:
+    return row_grad_norms_sq(model, lambda: log_likelihood(model, ids, mask, head))
 
 
-def loop(model, ids, mask, rows: int) -> torch.Tensor:
+def loop(model, ids, mask, rows: int, head: str = "full") -> torch.Tensor:
     out = []
     for i in range(rows):
-        log_likelihood(model, ids[i : i + 1], mask[i : i + 1]).sum().backward()
+        log_likelihood(model, ids[i : i + 1], mask[i : i + 1], head).sum().backward()
         out.append(sum(p.grad.float().square().sum() for p in model.parameters() if p.grad is not None))
         model.zero_grad(set_to_none=True)
     return torch.stack(out)
@@ -104,13 +116,14 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
         B=rows,
         T=length,
         activation_checkpointing=checkpointing,
-        **{k: v for k, v in case.items() if k not in ("shape", "dtype")},
+        **{"head": "full", **{k: v for k, v in case.items() if k not in ("shape", "dtype")}},
     )
+    head = record["head"]
     # The lambdas run here, before the `del model` below frees the model (hence the F821 waivers).
-    t_ord, m_ord, _ = timed(lambda: ordinary(model, ids, mask), device, args.repeats)  # noqa: F821
-    t_one, m_one, norms = timed(lambda: one_pass(model, ids, mask), device, args.repeats)  # noqa: F821
+    t_ord, m_ord, _ = timed(lambda: ordinary(model, ids, mask, head), device, args.repeats)  # noqa: F821
+    t_one, m_one, norms = timed(lambda: one_pass(model, ids, mask, head), device, args.repeats)  # noqa: F821
     loop_rows = min(rows, args.loop_rows)
-    t_loop, m_loop, loop_norms = timed(lambda: loop(model, ids, mask, loop_rows), device, 1)  # noqa: F821
+    t_loop, m_loop, loop_norms = timed(lambda: loop(model, ids, mask, loop_rows, head), device, 1)  # noqa: F821
     rel = ((norms[:loop_rows].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
     record.update(
         ordinary_s=t_ord,
@@ -182,6 +195,8 @@ def main(argv=None) -> None:
         cases = [(dict(GPU_MODEL, shape=s), False) for s in (GPU_SHAPES[:1] if args.quick else GPU_SHAPES)]
         cases.append((dict(GPU_MODEL, shape=GPU_SHAPES[0]), True))
         cases.append((dict(GPU_MODEL, shape=(4, 256), dtype=torch.float32), False))  # exactness vs the loop in fp32
+        for shape in GPU_CHUNKED_SHAPES[:1] if args.quick else GPU_CHUNKED_SHAPES:
+            cases += [(dict(GPU_MODEL, shape=shape, head="chunked"), checkpointing) for checkpointing in (False, True)]
         dtype = torch.bfloat16
     else:
         device, dtype = torch.device("cpu"), torch.float32
@@ -196,7 +211,15 @@ def main(argv=None) -> None:
             print(json.dumps(record), flush=True)
         except Exception as error:  # noqa: BLE001 - one failed case must not hide the others
             print(
-                json.dumps(dict(section="grad_norms", shape=case["shape"], error=f"{type(error).__name__}: {error}")),
+                json.dumps(
+                    dict(
+                        section="grad_norms",
+                        shape=case["shape"],
+                        head=case.get("head", "full"),
+                        activation_checkpointing=checkpointing,
+                        error=f"{type(error).__name__}: {error}",
+                    )
+                ),
                 flush=True,
             )
             if device.type == "cuda":
