@@ -161,7 +161,7 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
         if not isinstance(f, torch.Tensor) or f.dim() != 1:
             raise ValueError(f"objective: expected a [B] tensor of per-row values, got {_describe(f)}")
         tape.start_backward(rows=f.shape[0], device=f.device)
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), tape.replaying():
             sources = tape.sources()
             if sources and f.requires_grad:
                 torch.autograd.grad(f.sum(), sources, allow_unused=True)
@@ -351,10 +351,14 @@ class _Call:
 
     module: nn.Module
     kind: str  # "linear" | "embedding" | "norm"
-    inputs: torch.Tensor  # linear: a [B, T, d_in]; embedding: ids [B, T]; norm: x [B, ...]
-    output: torch.Tensor | None  # kept where the backward may start (a source) and for norm layers; else None
+    inputs: torch.Tensor | None  # linear: a [B, T, d_in]; embedding: ids [B, T]; norm: x [B, ...]; None: see below
+    output: torch.Tensor | None  # kept where the backward may start (a source); else None
     params: dict[str, torch.Tensor]  # norm layers: parameter values at forward time
     input_needs_grad: bool  # False: a source of the backward (e.g. the token embedding)
+    rows: int = 0  # the input's dim 0
+    recomputed: bool = False  # inside an activation-checkpointed region: the input comes back with the recomputation
+    fingerprint: torch.Tensor | None = None  # of a recomputed call's input: pairs a layer's several such calls
+    pending: torch.Tensor | None = None  # g of a recomputed call, arrived before its input
     arrived: bool = False  # the output gradient g has been seen
     grad: torch.Tensor | None = None  # g, kept when a parameter is shared (for the cross terms)
     grad_at_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # tied LM head: c_t[x_s] per embedding call
@@ -371,7 +375,11 @@ class _Tape:
     """Forward hooks that record layer calls; output-gradient hooks that turn them into per-row norms.
 
     A call keeps its input (what its parameters' gradients are made of), not its output: the gradient hook is set on
-    the output at the call, and outputs are kept only where the backward starts (the sources)."""
+    the output at the call, and outputs are kept only where the backward starts (the sources). A call inside a
+    non-reentrant activation-checkpointed region keeps nothing: its ops saved no tensor through the tape's own
+    saved-tensor hooks (the checkpoint's hooks took them), so the tape takes its input again when the backward
+    recomputes the region (a forward pre-hook), and computes its norms once both input and output gradient are there.
+    """
 
     def __init__(self, model: nn.Module):
         self.layers = _supported_layers(model)
@@ -380,19 +388,31 @@ class _Tape:
         self.hooks: list = []  # handles of the output-gradient hooks
         self.candidates: list[torch.Tensor] = []  # every output, until a call whose input needs no gradient is seen
         self.has_source = False
+        self.packed = 0  # tensors saved for backward through the tape's hooks (i.e. outside checkpointed regions)
+        self.packed_at_entry: dict[nn.Module, int] = {}
+        self.waiting: dict[nn.Module, list[_Call]] = {}  # recomputed calls whose input has not come back yet
 
     @contextlib.contextmanager
     def recording(self):
-        """The forward hooks, for the objective's forward only (none is left during the backward, where norm layers
-        are recomputed); :func:`lm_head_log_probs` finds the tape here."""
-        handles = [m.register_forward_hook(self._record) for m in self.layers]
+        """The forward hooks and the saved-tensor hooks, for the objective's forward only;
+        :func:`lm_head_log_probs` finds the tape here."""
+        handles = [m.register_forward_pre_hook(self._enter) for m in self.layers]
+        handles += [m.register_forward_hook(self._record) for m in self.layers]
         _RECORDING.append(self)
         try:
-            yield
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
         finally:
             _RECORDING.remove(self)
             for h in handles:
                 h.remove()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed += 1
+        return t
+
+    def _enter(self, module, args):
+        self.packed_at_entry[module] = self.packed
 
     def _record(self, module, args, output):
         if not torch.is_grad_enabled():  # a call under no_grad puts nothing in the gradient
@@ -408,8 +428,12 @@ class _Tape:
             )
         params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)} if kind == "norm" else {}
         is_source = kind == "embedding" or not args[0].requires_grad
-        kept = output if is_source or kind == "norm" else None  # a norm layer's output: its form's check
-        call = _Call(module, kind, args[0].detach(), kept, params, not is_source)
+        x = args[0].detach()
+        call = _Call(module, kind, x, output if is_source else None, params, not is_source, rows=x.shape[0])
+        if self.packed == self.packed_at_entry.pop(module, -1):  # its ops saved nothing through the tape's hooks
+            call.inputs, call.recomputed = None, True
+            call.fingerprint = x.reshape(x.shape[0], -1)[:, :8].clone()
+            self.waiting.setdefault(module, []).append(call)
         self.calls.append(call)
         self.hooks.append(output.register_hook(lambda g: self._add(call, g.detach())))
         if is_source:
@@ -417,6 +441,32 @@ class _Tape:
             self.candidates.clear()
         elif not self.has_source:
             self.candidates.append(output)
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """Forward pre-hooks for the backward: a checkpointed region's recomputation gives back its calls' inputs."""
+        handles = [m.register_forward_pre_hook(self._replay) for m in self.waiting]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _replay(self, module, args):
+        waiting = self.waiting.get(module)
+        if not waiting:
+            return
+        x = args[0].detach()
+        call = waiting.pop()  # regions are recomputed last first
+        if waiting and not _close(x.reshape(x.shape[0], -1)[:, :8], call.fingerprint):  # a host read: rare case
+            raise ValueError(
+                f"model: {type(module).__name__} is called more than once inside one activation-checkpointed region; "
+                "per-row norms cannot pair its recomputed calls"
+            )
+        call.inputs = x
+        if call.pending is not None:
+            g, call.pending = call.pending, None
+            self._add(call, g)
 
     def record_chunked_head(self, module: nn.Module, hidden: torch.Tensor) -> tuple[_Call | None, torch.Tensor]:
         """``(call, hidden)`` for :func:`lm_head_log_probs` on ``module``, whose backward books the call's norms;
@@ -429,14 +479,17 @@ class _Tape:
             hidden = hidden.detach().requires_grad_()
             self.has_source = True
             self.candidates.clear()
-        self.calls.append(_Call(module, "linear", hidden.detach(), hidden if is_source else None, {}, not is_source))
-        return self.calls[-1], hidden
+        call = _Call(
+            module, "linear", hidden.detach(), hidden if is_source else None, {}, not is_source, hidden.shape[0]
+        )
+        self.calls.append(call)
+        return call, hidden
 
     def start_backward(self, rows: int, device: torch.device) -> None:
         for call in self.calls:
-            if call.inputs.shape[0] != rows:
+            if call.rows != rows:
                 raise ValueError(
-                    f"model: {type(call.module).__name__} saw {call.inputs.shape[0]} rows in dim 0, the objective "
+                    f"model: {type(call.module).__name__} saw {call.rows} rows in dim 0, the objective "
                     f"has {rows}: layers must keep the batch (row) dimension first"
                 )
         self.total = torch.zeros(rows, dtype=torch.float64, device=device)
@@ -465,16 +518,20 @@ class _Tape:
 
     def _add(self, call: _Call, g: torch.Tensor) -> None:
         """The output gradient ``g`` of a recorded call: its parameters' norms, and what cross terms need."""
+        if call.inputs is None:  # a recomputed call's input comes back later
+            call.pending = g
+            return
         partners = self.partners(call)
         if call.kind == "linear" and partners and all(c.kind == "embedding" for c in partners):
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)
-            at_ids = {id(e): c.gather(2, _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1)) for e in partners}
-            self.book(call, _own_norms_sq(call, g).values(), at_ids)
-            return
-        if partners:
-            call.grad = g
-        self.book(call, _own_norms_sq(call, g).values(), {})
+            ids = {id(e): _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1) for e in partners}
+            self.book(call, _own_norms_sq(call, g).values(), {k: c.gather(2, i) for k, i in ids.items()})
+        else:
+            call.grad = g if partners else None
+            self.book(call, _own_norms_sq(call, g).values(), {})
+        if not partners:
+            call.inputs = None  # used: let it go
 
     def book(self, call: _Call, norms_sq, grad_at_ids: dict[int, torch.Tensor]) -> None:
         for norm_sq in norms_sq:
@@ -483,6 +540,13 @@ class _Tape:
         call.arrived = True
 
     def finish(self) -> torch.Tensor:
+        for call in self.calls:
+            if call.pending is not None:
+                raise ValueError(
+                    f"model: the input of {type(call.module).__name__} was saved through other saved-tensor hooks "
+                    "and not recomputed (only non-reentrant activation checkpointing is supported, not e.g. "
+                    "save_on_cpu)"
+                )
         for shared in self.shared.values():
             pairs = [(a, b) for k, a in enumerate(shared.calls) for b in shared.calls[k + 1 :]]
             for (call_a, name_a), (call_b, name_b) in pairs:
@@ -657,7 +721,7 @@ def _affine_norm_input(call: _Call, verify: bool) -> torch.Tensor | None:
     init) cannot tell ``w ⊙ n`` from e.g. ``(1 + w) ⊙ n / 2``.
     """
     w = call.params["weight"]
-    if w.dim() != 1 or w.shape != call.output.shape[-1:] or not _AFFINE_NORM_CLASSES.get(type(call.module), verify):
+    if w.dim() != 1 or w.shape != call.inputs.shape[-1:] or not _AFFINE_NORM_CLASSES.get(type(call.module), verify):
         return None
     unit = {"weight": torch.ones_like(w)}
     if "bias" in call.params:
@@ -668,7 +732,8 @@ def _affine_norm_input(call: _Call, verify: bool) -> torch.Tensor | None:
             probe = torch.linspace(0.5, 1.5, w.shape[0], dtype=w.dtype, device=w.device)
             probed = functional_call(call.module, {**unit, "weight": probe}, (call.inputs,))
             rebuilt = normalized * w + (call.params["bias"] if "bias" in call.params else 0)
-            affine = _close(probed, normalized * probe) and _close(rebuilt, call.output.detach())
+            recorded = functional_call(call.module, call.params, (call.inputs,))  # the layer as it was called
+            affine = _close(probed, normalized * probe) and _close(rebuilt, recorded)
             _AFFINE_NORM_CLASSES[type(call.module)] = affine
             if not affine:
                 return None
@@ -720,6 +785,10 @@ def _cross(call_a: _Call, name_a: str, call_b: _Call, name_b: str) -> torch.Tens
 
 def _rows3(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _ids(embedding: _Call, rows: int) -> torch.Tensor:

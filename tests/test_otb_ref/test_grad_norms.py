@@ -807,3 +807,89 @@ def test_layer_outputs_are_not_kept_by_the_tape():
         for handle in handles:
             handle.remove()
     torch.testing.assert_close(got.double(), exact_norms(model, ids, response, attention), rtol=RTOL, atol=0)
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+def _checkpointed(model):
+    enable_hf_activation_checkpointing(model)
+    model.train()  # transformers checkpoints only in training mode (no dropout in these configs)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(checkpointing):
+    """Under checkpointing every decoder-layer call holds nothing after the forward and takes its input back from
+    the recomputation, and the norms stay exact; without checkpointing no call waits."""
+    model = tiny_lm("qwen2", tied=True, seed=15)
+    ids, response, attention = padded_batch(seed=15)
+    expected = exact_norms(model, ids, response, attention)  # torch.func: before checkpointing is switched on
+    model = _checkpointed(model) if checkpointing else model
+    seen = {}
+
+    def objective():
+        f = _log_likelihood(model, ids, response, attention)
+        calls = grad_norms._RECORDING[-1].calls
+        outside = (model.model.embed_tokens, model.model.norm, model.lm_head)
+        seen["waiting"] = [c.recomputed and c.inputs is None and c.output is None for c in calls]
+        seen["outside"] = [c.module in outside for c in calls]
+        return f
+
+    got = row_grad_norms_sq(model, objective)
+    assert seen["waiting"] == [checkpointing and not outside for outside in seen["outside"]]
+    assert sum(seen["waiting"]) == (2 * (7 + 2) if checkpointing else 0)  # 7 linears and 2 norms in each layer
+    torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
+
+
+class TwoBlockLM(nn.Module):
+    """One block applied twice, each application checkpointed; ``twice_in_one`` calls its linear twice per region."""
+
+    def __init__(self, twice_in_one: bool = False, vocab: int = 13, width: int = 8):
+        super().__init__()
+        self.twice_in_one, self.checkpointing = twice_in_one, True
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width, bias=False)  # a weight shared by two calls has a cross term; a bias none
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def block(self, h):
+        h = h + torch.tanh(self.mix(h)).cumsum(dim=1)
+        return h + torch.tanh(self.mix(h)).cumsum(dim=1) if self.twice_in_one else h
+
+    def forward(self, input_ids, attention_mask=None):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(input_ids)
+        for _ in range(2):
+            h = checkpoint(self.block, h, use_reentrant=False) if self.checkpointing else self.block(h)
+        return self.head(h)
+
+
+def test_a_layer_shared_by_two_checkpointed_regions_gets_each_input_back():
+    """Regions are recomputed last first: each recomputed input goes back to its own call, and the two calls'
+    cross term (one weight) is formed from them; exact norms."""
+    model = TwoBlockLM().double()
+    ids, response, _ = padded_batch(seed=16, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    model.checkpointing = False  # torch.func (the exact norms) does not take saved-tensor hooks
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_a_layer_called_twice_inside_one_checkpointed_region_is_refused():
+    model = TwoBlockLM(twice_in_one=True).double()
+    ids, response, _ = padded_batch(seed=17, vocab=13)
+    with pytest.raises(ValueError, match="^model: Linear is called more than once inside one activation-checkpointed"):
+        sequence_grad_norms_sq(model, ids, response)
+
+
+def test_inputs_saved_through_other_saved_tensor_hooks_are_refused():
+    """save_on_cpu takes the saved tensors and nothing recomputes them: refused, not a silently smaller norm."""
+    model = tiny_lm("qwen2", tied=False, seed=18)
+    ids, response, attention = padded_batch(seed=18)
+
+    def objective():
+        with torch.autograd.graph.save_on_cpu():
+            return _log_likelihood(model, ids, response, attention)
+
+    with pytest.raises(ValueError, match="^model: the input of .* was saved through other saved-tensor hooks"):
+        row_grad_norms_sq(model, objective)
