@@ -20,6 +20,9 @@ before squaring: ``||G + H||² = ||G||² + ||H||² + 2⟨G, H⟩``, with e.g. fo
 (logit gradients c, hidden states h) and the embedding ``H = Σ_s e_{x_s} g_sᵀ``:
 ``⟨G, H⟩ = Σ_{s,t} c_t[x_s] (g_s · h_t)``.
 
+Memory: a call keeps its input, not its output. Inside a non-reentrant activation-checkpointed region it keeps
+nothing: its input comes back when the backward recomputes the region (see ``_Tape``).
+
 Assumptions, checked where possible: rows do not interact (true of causal LMs with attention masks);
 every trainable parameter belongs directly to an ``nn.Linear``, an ``nn.Embedding`` or a norm layer (any
 other parameterised module raises); layer activations keep the row dimension first (``[B, ..., d]``).
@@ -148,6 +151,9 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
             ``f_i`` depends on row i's inputs only. Called once, with autograd on. The backward starts at the
             outputs of the layer calls whose input needs no gradient (embeddings, layers on frozen features), or
             at every layer output when there is none: inputs that require grad must not be mixed with such calls.
+            Non-reentrant activation checkpointing is supported (a layer called twice inside one checkpointed
+            region is refused); reentrant checkpointing and other saved-tensor hooks (e.g. ``save_on_cpu``) are
+            refused.
 
     Returns:
         ``[B]`` float32 (accumulated in float64). The parameters' ``.grad`` fields are not touched.
