@@ -3,6 +3,7 @@
     python benchmarks/grad_norms.py             # CPU: the built-in tiny model and a wider one (~1 min on 2 cores)
     python benchmarks/grad_norms.py --quick     # seconds (the test suite runs this)
     python benchmarks/grad_norms.py --gpu       # one GPU: a Qwen2.5-0.5B-shaped config in bf16 (random init)
+    python benchmarks/grad_norms.py --rss       # CPU: peak resident memory of each pass, with and without checkpointing
 
 Each case runs, on the same model and batch [B, T] (prompt T/4, response 3T/4), with the LM head either the model's
 own (``head: "full"``, [B, T, V] logits) or ``otb_ref.grad_norms.lm_head_log_probs`` on the decoder's hidden states
@@ -26,7 +27,6 @@ import torch
 
 from harness import machine, sync, timed
 from otb_ref import row_grad_norms_sq
-from otb_ref.grad_norms import lm_head_log_probs
 from otb_train.model import enable_hf_activation_checkpointing
 
 CPU_CASES = [
@@ -77,6 +77,8 @@ def batch(rows: int, length: int, vocab: int, device: torch.device):
 
 def log_likelihood(model, ids, mask, head: str = "full") -> torch.Tensor:
     if head == "chunked":  # the decoder's hidden states through the LM head chunked over the vocabulary
+        from otb_ref.grad_norms import lm_head_log_probs
+
         hidden = model.get_decoder()(ids, use_cache=False).last_hidden_state  # [B, T, d]
         log_probs = lm_head_log_probs(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:])
     else:
@@ -180,6 +182,47 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
     return record
 
 
+RSS_CASE = dict(CPU_CASES[1], shape=(16, 1024))
+
+
+def rss_case(mode: str, checkpointing: bool) -> dict:
+    """Peak resident memory that one ordinary pass or one one-pass adds, in this (fresh) process. CPU has no
+    allocator statistics: the increase of ``ru_maxrss`` over the model, batch and a warm-up forward is what the
+    pass's tensors needed at their peak, to the page."""
+    import resource
+
+    device = torch.device("cpu")
+    model = build(RSS_CASE, device, torch.float32, checkpointing)
+    ids, mask = batch(*RSS_CASE["shape"], RSS_CASE["vocab"], device)
+    with torch.no_grad():
+        model(ids[:1, :8])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    (ordinary if mode == "ordinary" else one_pass)(model, ids, mask)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return dict(
+        section="grad_norms_rss",
+        machine=machine(device),
+        torch=torch.__version__,
+        B=RSS_CASE["shape"][0],
+        T=RSS_CASE["shape"][1],
+        **{k: v for k, v in RSS_CASE.items() if k != "shape"},
+        mode=mode,
+        activation_checkpointing=checkpointing,
+        peak_rss_increase_mib=(after - before) / 1024,  # ru_maxrss is in KiB on Linux
+    )
+
+
+def rss_all() -> None:
+    """Each (pass, checkpointing) in its own process: a process's peak resident memory never goes down."""
+    import subprocess
+    import sys
+
+    for mode in ("ordinary", "one_pass"):
+        for checkpointing in (False, True):
+            command = [sys.executable, __file__, "--rss-child", mode, str(int(checkpointing))]
+            print(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
@@ -187,7 +230,15 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default: 3)")
     parser.add_argument("--profile", action="store_true", help="only: top operators of the first case's two passes")
     parser.add_argument("--loop-rows", type=int, default=16, help="rows the loop times at most (default: 16)")
+    parser.add_argument("--rss", action="store_true", help="only: CPU peak resident memory of each pass")
+    parser.add_argument("--rss-child", nargs=2, metavar=("MODE", "CHECKPOINTING"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_case(args.rss_child[0], args.rss_child[1] == "1")), flush=True)
+        return
+    if args.rss:
+        rss_all()
+        return
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: no CUDA device is available")
     if args.gpu:
