@@ -436,7 +436,8 @@ class _Tape:
         is_source = kind == "embedding" or not args[0].requires_grad
         x = args[0].detach()
         call = _Call(module, kind, x, output if is_source else None, params, not is_source, rows=x.shape[0])
-        if self.packed == self.packed_at_entry.pop(module, -1):  # its ops saved nothing through the tape's hooks
+        checkpointed = self.packed == self.packed_at_entry.pop(module, -1)  # saved nothing through the tape's hooks
+        if checkpointed and kind != "embedding":  # an embedding's ids are small, and a tied head needs them first
             call.inputs, call.recomputed = None, True
             call.fingerprint = x.reshape(x.shape[0], -1)[:, :8].clone()
             self.waiting.setdefault(module, []).append(call)

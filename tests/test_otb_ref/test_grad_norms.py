@@ -843,11 +843,12 @@ def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(chec
 
 
 class TwoBlockLM(nn.Module):
-    """One block applied twice, each application checkpointed; ``twice_in_one`` calls its linear twice per region."""
+    """One block applied twice, each application checkpointed; ``twice_in_one`` calls its linear twice per region;
+    ``embed_inside``: one region holds the embedding and one block."""
 
-    def __init__(self, twice_in_one: bool = False, vocab: int = 13, width: int = 8):
+    def __init__(self, twice_in_one: bool = False, embed_inside: bool = False, vocab: int = 13, width: int = 8):
         super().__init__()
-        self.twice_in_one, self.checkpointing = twice_in_one, True
+        self.twice_in_one, self.embed_inside, self.checkpointing = twice_in_one, embed_inside, True
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width, bias=False)  # a weight shared by two calls has a cross term; a bias none
         self.head = nn.Linear(width, vocab, bias=False)
@@ -859,6 +860,10 @@ class TwoBlockLM(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         from torch.utils.checkpoint import checkpoint
 
+        if self.embed_inside:  # the embedding and one block in one region
+            first = lambda ids: self.block(self.embed(ids))  # noqa: E731
+            h = checkpoint(first, input_ids, use_reentrant=False) if self.checkpointing else first(input_ids)
+            return self.head(h)
         h = self.embed(input_ids)
         for _ in range(2):
             h = checkpoint(self.block, h, use_reentrant=False) if self.checkpointing else self.block(h)
@@ -893,3 +898,14 @@ def test_inputs_saved_through_other_saved_tensor_hooks_are_refused():
 
     with pytest.raises(ValueError, match="^model: the input of .* was saved through other saved-tensor hooks"):
         row_grad_norms_sq(model, objective)
+
+
+def test_a_tied_embedding_inside_a_checkpointed_region_keeps_its_ids_for_the_cross_term():
+    """The embedding's ids are kept even inside a checkpointed region: the tied head's backward, which comes first,
+    gathers its logit gradients at them."""
+    model = TwoBlockLM(embed_inside=True).double()
+    model.head.weight = model.embed.weight
+    ids, response, _ = padded_batch(seed=19, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    model.checkpointing = False
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
