@@ -742,17 +742,22 @@ def test_a_frozen_body_under_a_trainable_chunked_head_counts_the_head():
 
 
 def test_chunked_lm_head_refuses_what_it_cannot_compute():
-    model = tiny_lm("qwen2", tied=False)
-    ids, response = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 1], [0, 0, 1]])
     hidden, targets = torch.randn(2, 3, 8, dtype=torch.float64), torch.ones(2, 3, dtype=torch.long)
     head = nn.Linear(8, 29, bias=False).double()
     cases = [
         (dict(lm_head=nn.Linear(8, 29).double()), "^lm_head: expected an nn.Linear without bias"),
         (dict(lm_head=head.float()), "^lm_head: weight torch.float32"),
+        (dict(lm_head=nn.Linear(7, 29, bias=False).double()), r"^lm_head: weight torch.float64 \(29, 7\)"),
+        (dict(lm_head=nn.Linear(9, 29, bias=False).double()), r"^lm_head: weight torch.float64 \(29, 9\)"),
+        (dict(hidden=hidden.to("meta")), "^lm_head: weight .* on cpu does not match hidden .* on meta"),
         (dict(hidden=hidden[0]), r"^hidden: expected floating \[B, T, d\]"),
+        (dict(hidden=hidden[None]), r"^hidden: expected floating \[B, T, d\]"),
         (dict(targets=targets.double()), "^targets: expected integer ids"),
-        (dict(targets=targets[:, :2]), "^targets: expected integer ids"),
+        (dict(targets=targets[:, :2]), r"^targets: expected integer ids \(2, 3\), got torch.int64 \(2, 2\)$"),
+        (dict(targets=torch.ones(2, 4, dtype=torch.long)), r"^targets: expected integer ids \(2, 3\)"),
         (dict(targets=targets * 29), r"^targets: token ids must lie in \[0, 29\)"),
+        (dict(targets=targets * 40), r"^targets: token ids must lie in \[0, 29\)"),
+        (dict(targets=-targets), r"^targets: token ids must lie in \[0, 29\)"),
         (dict(chunk_size=0), "^chunk_size: expected a positive integer"),
         (dict(chunk_size=True), "^chunk_size: expected a positive integer"),
         (dict(temperature=-1.0), "^temperature"),
@@ -761,11 +766,89 @@ def test_chunked_lm_head_refuses_what_it_cannot_compute():
         args = dict(hidden=hidden, lm_head=nn.Linear(8, 29, bias=False).double(), targets=targets) | change
         with pytest.raises(ValueError, match=message):
             grad_norms.lm_head_log_probs(**args)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="^chunked_lm_head: the model must be a causal LM"):
-        sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True)
-    with pytest.raises(ValueError, match="^chunked_lm_head: the model must be a causal LM"):
+
+
+def test_chunked_lm_head_takes_only_plain_logits_from_a_model():
+    """A head bias, no Linear head, soft-capping or a logit scale other than 1 are refused; a scale of 1 is not."""
+    ids, response = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 1], [0, 0, 1]])
+    message = "^chunked_lm_head: the model must be a causal LM"
+    for change in ("bias", "no_head", "softcap", "scale"):
+        model = tiny_lm("qwen2", tied=False)
+        if change == "bias":
+            model.lm_head.bias = nn.Parameter(torch.zeros(29, dtype=torch.float64))
+        elif change == "no_head":
+            model.get_output_embeddings = lambda: None
+        elif change == "softcap":
+            model.config.final_logit_softcapping = 30.0
+        else:
+            model.config.logit_scale = 2.0
+        with pytest.raises(ValueError, match=message):
+            sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True)
+    with pytest.raises(ValueError, match=message):
         sequence_grad_norms_sq(ConvLM(), ids, response, chunked_lm_head=True)
+    model = tiny_lm("qwen2", tied=False)
+    model.config.logit_scale = 1.0
+    expected = sequence_grad_norms_sq(model, ids, response)
+    torch.testing.assert_close(sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True), expected)
+
+
+def test_lm_head_log_probs_edge_rules():
+    """τ = 1 by default; W's gradient without one for hidden; logits far below 0 (a running logsumexp that started
+    at 0 would underflow to −inf); d = 300 (beyond CPython's cached ints) is compared by value; a second derivative
+    raises instead of being silently wrong."""
+    gen = torch.Generator().manual_seed(21)
+    head = nn.Linear(300, 7, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(1 + 0.1 * torch.rand(7, 300, dtype=torch.float64, generator=gen))
+    hidden = -4.0 + 0.1 * torch.rand(2, 3, 300, dtype=torch.float64, generator=gen)  # logits about −1300
+    targets = torch.randint(0, 7, (2, 3), generator=gen)
+    got = grad_norms.lm_head_log_probs(hidden, head, targets, chunk_size=3)
+    full = torch.log_softmax(head(hidden), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-12)
+    (got_w,) = torch.autograd.grad(got.sum(), head.weight)
+    (full_w,) = torch.autograd.grad(full.sum(), head.weight)
+    torch.testing.assert_close(got_w, full_w, rtol=1e-10, atol=1e-12)
+    hidden.requires_grad_(True)
+    upstream = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    log_probs = grad_norms.lm_head_log_probs(hidden, head, targets, chunk_size=3)
+    (grad_hidden,) = torch.autograd.grad(log_probs, hidden, grad_outputs=upstream, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
+
+
+def test_a_frozen_chunked_head_adds_nothing():
+    """A head without a trainable weight is no recorded call: the body's norms alone, exact."""
+    model = tiny_lm("qwen2", tied=False, seed=20)
+    model.lm_head.weight.requires_grad_(False)
+    ids, response, attention = padded_batch(seed=20)
+    got = sequence_grad_norms_sq(model, ids, response, attention, chunked_lm_head=True, chunk_size=6)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response, attention), rtol=RTOL, atol=0)
+
+
+class TupleDecoderLM(nn.Module):
+    """A causal LM whose decoder returns a plain tuple (hidden,) rather than an object with last_hidden_state."""
+
+    def __init__(self, vocab: int = 13, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def get_decoder(self):
+        return lambda ids, **kwargs: (self.embed(ids) + torch.tanh(self.mix(self.embed(ids))).cumsum(dim=1), None)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.head(self.get_decoder()(input_ids)[0])
+
+
+def test_chunked_lm_head_reads_the_hidden_states_of_a_decoder_returning_a_tuple():
+    model = TupleDecoderLM().double()
+    ids, response, _ = padded_batch(seed=22, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True, chunk_size=4)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
 
 
 def test_a_head_weight_used_by_a_linear_call_too_is_refused():
@@ -832,12 +915,13 @@ def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(chec
         f = _log_likelihood(model, ids, response, attention)
         calls = grad_norms._RECORDING[-1].calls
         outside = (model.model.embed_tokens, model.model.norm, model.lm_head)
-        seen["waiting"] = [c.recomputed and c.inputs is None and c.output is None for c in calls]
+        seen["waiting"] = [c.inputs is None and c.output is None for c in calls]
+        seen["recomputed"] = [c.recomputed for c in calls]
         seen["outside"] = [c.module in outside for c in calls]
         return f
 
     got = row_grad_norms_sq(model, objective)
-    assert seen["waiting"] == [checkpointing and not outside for outside in seen["outside"]]
+    assert seen["waiting"] == seen["recomputed"] == [checkpointing and not outside for outside in seen["outside"]]
     assert sum(seen["waiting"]) == (2 * (7 + 2) if checkpointing else 0)  # 7 linears and 2 norms in each layer
     torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
 
