@@ -98,10 +98,17 @@ def sequence_grad_norms_sq(
     targets = input_ids[:, 1:].long()  # [B, L-1]: position t - 1 predicts token t
     if chunked_lm_head:
         decoder, head = plain_lm_head(model)
+        with _eval_mode(model):
+            _check_plain_logits(
+                model,
+                decoder,
+                head,
+                input_ids[:1],
+                {k: v[:1] if k == "attention_mask" else v for k, v in kwargs.items()},
+            )
 
         def log_probs_of_targets() -> torch.Tensor:  # [B, L-1]
-            hidden = decoder(input_ids, **kwargs)
-            hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+            hidden = _last_hidden(decoder(input_ids, **kwargs))
             return lm_head_log_probs(hidden[:, :-1], head, targets, tau, chunk_size)
 
     else:
@@ -120,6 +127,24 @@ def sequence_grad_norms_sq(
         return row_grad_norms_sq(model, response_log_likelihood)
 
 
+def _last_hidden(output) -> torch.Tensor:
+    """A decoder's hidden states: ``.last_hidden_state``, or the first item of a tuple."""
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _check_plain_logits(model: nn.Module, decoder: nn.Module, head: nn.Linear, ids: torch.Tensor, kwargs) -> None:
+    """The model's own logits on one row must be its decoder's hidden states times the head's weight (one small
+    forward, no gradient): a head that scales, caps or shifts its logits is refused, whatever its config says."""
+    with torch.no_grad():
+        want = logits_of(model(ids, **kwargs))
+        got = _last_hidden(decoder(ids, **kwargs)) @ head.weight.T
+    if got.shape != want.shape or not _close(got, want.to(got.dtype)):
+        raise ValueError(
+            "chunked_lm_head: the model's logits are not its decoder's hidden states times the head's weight "
+            "(h Wᵀ); the chunked head would compute other log-probs"
+        )
+
+
 def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     """``(model.get_decoder(), model.get_output_embeddings())`` of a Hugging Face causal LM whose logits are plain
     ``h Wᵀ``; ValueError otherwise (no such methods, a head that is not a bias-free ``nn.Linear``, or a config with
@@ -132,7 +157,7 @@ def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
         or not isinstance(head, nn.Linear)
         or head.bias is not None
         or getattr(config, "final_logit_softcapping", None)
-        or getattr(config, "logit_scale", None) not in (None, 1.0)
+        or any(getattr(config, name, None) not in (None, 1.0) for name in ("logit_scale", "logits_scaling"))
     ):
         raise ValueError(
             "chunked_lm_head: the model must be a causal LM with get_decoder() and a bias-free nn.Linear from "
@@ -151,9 +176,9 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
             ``f_i`` depends on row i's inputs only. Called once, with autograd on. The backward starts at the
             outputs of the layer calls whose input needs no gradient (embeddings, layers on frozen features), or
             at every layer output when there is none: inputs that require grad must not be mixed with such calls.
-            Non-reentrant activation checkpointing is supported (a layer called twice inside one checkpointed
-            region is refused); reentrant checkpointing and other saved-tensor hooks (e.g. ``save_on_cpu``) are
-            refused.
+            Non-reentrant activation checkpointing is supported, selective too (a checkpointed call's input comes
+            back with the recomputation); reentrant checkpointing and other saved-tensor hooks (e.g.
+            ``save_on_cpu``) are refused.
 
     Returns:
         ``[B]`` float32 (accumulated in float64). The parameters' ``.grad`` fields are not touched.
@@ -189,7 +214,8 @@ def lm_head_log_probs(
     """``log π(y_t) = z_t[y_t] − logsumexp(z_t)`` with ``z_t = W h_t / τ``, never forming ``[B, T, V]`` logits.
 
     The head's weight ``W`` [V, d] is taken ``chunk_size`` vocabulary rows at a time: forward keeps a running
-    logsumexp, backward recomputes each chunk's logits, so the largest buffers are ``[B·T, chunk]``. Differentiable
+    logsumexp, backward recomputes each chunk's logits, so the largest buffers are ``[B·T, chunk]`` (and, in
+    :func:`row_grad_norms_sq`, ``[B, chunk, d]`` or a ``[B, T, T]`` Gram accumulator). Differentiable
     in ``hidden`` and ``W``. Inside :func:`row_grad_norms_sq`'s objective it is the head's recorded call: with the
     gradient at the logits ``c_t = g_t (e_{y_t} − π_t) / τ`` (``g`` the gradient at the log-probs), its backward adds
     the head weight's per-row ``||Σ_t c_t h_tᵀ||²`` chunk by chunk (the sum over chunks of the chunks' squares:
@@ -215,6 +241,8 @@ def lm_head_log_probs(
         chunk_size = _default_chunk_size(weight.shape[0], per_entry, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    if positions == 0:  # no token to predict: nothing depends on the head
+        return torch.zeros(targets.shape, dtype=_accumulate_dtype(hidden), device=hidden.device)
     recorded = None
     if _RECORDING and torch.is_grad_enabled():
         tape = _RECORDING[-1]
@@ -351,7 +379,7 @@ class _HeadNorms:
 # --------------------------------------------------------------------------- per-call records
 
 
-@dataclass
+@dataclass(eq=False)  # calls are compared by identity
 class _Call:
     """One forward call of a supported layer: what its parameters' per-row gradients are made of."""
 
@@ -382,9 +410,10 @@ class _Tape:
 
     A call keeps its input (what its parameters' gradients are made of), not its output: the gradient hook is set on
     the output at the call, and outputs are kept only where the backward starts (the sources). A call inside a
-    non-reentrant activation-checkpointed region keeps nothing: its ops saved no tensor through the tape's own
-    saved-tensor hooks (the checkpoint's hooks took them), so the tape takes its input again when the backward
-    recomputes the region (a forward pre-hook), and computes its norms once both input and output gradient are there.
+    non-reentrant activation-checkpointed region keeps nothing but a fingerprint: its ops saved no tensor through the
+    tape's own saved-tensor hooks (the checkpoint's hooks took them), so the tape takes its input again when the
+    backward recomputes the region (a forward pre-hook), and computes its norms once both input and output gradient
+    are there, outside the recomputation. A start of the backward keeps its input: nothing recomputes it for it.
     """
 
     def __init__(self, model: nn.Module):
@@ -397,6 +426,7 @@ class _Tape:
         self.packed = 0  # tensors saved for backward through the tape's hooks (i.e. outside checkpointed regions)
         self.packed_at_entry: dict[nn.Module, int] = {}
         self.waiting: dict[nn.Module, list[_Call]] = {}  # recomputed calls whose input has not come back yet
+        self.ready: list[_Call] = []  # recomputed calls with input and output gradient, norms not yet computed
 
     @contextlib.contextmanager
     def recording(self):
@@ -437,9 +467,8 @@ class _Tape:
         x = args[0].detach()
         call = _Call(module, kind, x, output if is_source else None, params, not is_source, rows=x.shape[0])
         checkpointed = self.packed == self.packed_at_entry.pop(module, -1)  # saved nothing through the tape's hooks
-        if checkpointed and kind != "embedding":  # an embedding's ids are small, and a tied head needs them first
-            call.inputs, call.recomputed = None, True
-            call.fingerprint = x.reshape(x.shape[0], -1)[:, :8].clone()
+        if checkpointed and not is_source:  # a start (an embedding too) keeps its input: nothing recomputes it for it
+            call.inputs, call.recomputed, call.fingerprint = None, True, _fingerprint(x)
             self.waiting.setdefault(module, []).append(call)
         self.calls.append(call)
         self.hooks.append(output.register_hook(lambda g: self._add(call, g.detach())))
@@ -460,18 +489,32 @@ class _Tape:
                 h.remove()
 
     def _replay(self, module, args):
+        """A layer call during the backward is a recomputation: its input goes to the waiting call it reproduces (the
+        only one, or the one whose fingerprint it matches); norms wait until the recomputation is over."""
         waiting = self.waiting.get(module)
         if not waiting:
             return
         x = args[0].detach()
-        call = waiting.pop()  # regions are recomputed last first
-        if waiting and not _close(x.reshape(x.shape[0], -1)[:, :8], call.fingerprint):  # a host read: rare case
-            raise ValueError(
-                f"model: {type(module).__name__} is called more than once inside one activation-checkpointed region; "
-                "per-row norms cannot pair its recomputed calls"
-            )
+        if len(waiting) == 1:
+            call = waiting.pop()
+        else:  # one layer, several waiting calls: pair by content (a host read, in this rare case only)
+            fingerprint = _fingerprint(x)
+            matches = [c for c in waiting if _close(fingerprint, c.fingerprint)]
+            if not matches:
+                raise ValueError(
+                    f"model: a recomputed input of {type(module).__name__} matches none of its checkpointed calls "
+                    "(activation checkpointing must recompute what the forward computed)"
+                )
+            call = matches[-1]
+            waiting.remove(call)
         call.inputs = x
         if call.pending is not None:
+            self.ready.append(call)
+
+    def _flush(self) -> None:
+        """Norms of recomputed calls whose output gradient came first: computed outside the recomputation."""
+        while self.ready:
+            call = self.ready.pop()
             g, call.pending = call.pending, None
             self._add(call, g)
 
@@ -525,6 +568,7 @@ class _Tape:
 
     def _add(self, call: _Call, g: torch.Tensor) -> None:
         """The output gradient ``g`` of a recorded call: its parameters' norms, and what cross terms need."""
+        self._flush()
         if call.inputs is None:  # a recomputed call's input comes back later
             call.pending = g
             return
@@ -547,6 +591,7 @@ class _Tape:
         call.arrived = True
 
     def finish(self) -> torch.Tensor:
+        self._flush()
         for call in self.calls:
             if call.pending is not None:
                 raise ValueError(
@@ -796,6 +841,14 @@ def _rows3(t: torch.Tensor) -> torch.Tensor:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 10]`` per row (float32, float64 for float64): the first 8 values, the sum and the norm; tells which of
+    a layer's checkpointed calls a recomputed input belongs to."""
+    rows, dtype = x.reshape(x.shape[0], -1), _accumulate_dtype(x)
+    summary = [rows.sum(dim=1, dtype=dtype), torch.linalg.vector_norm(rows, dim=1, dtype=dtype)]
+    return torch.cat([rows[:, :8].to(dtype), torch.stack(summary, dim=1)], dim=1)
 
 
 def _ids(embedding: _Call, rows: int) -> torch.Tensor:

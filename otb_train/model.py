@@ -61,8 +61,9 @@ class Policy(nn.Module):
         return log_probs.clone(), sum_pi_squared.clone()  # fresh tensors, not views: FSDP hooks its outputs
 
     def log_probs_for_grad_norms(self, hidden, targets) -> torch.Tensor:
-        """``log π(targets)`` [B, T] through ``otb_ref.grad_norms.lm_head_log_probs`` (chunked over the vocabulary,
-        no [B, T, V]), whose call ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
+        """``log π(targets)`` [B, T] through ``otb_ref.grad_norms.lm_head_log_probs`` (chunked over the vocabulary at
+        the library's default budget, no [B, T, V]; ``--logprob-chunk-size`` counts rows of the other chunked path),
+        whose call ``otb_ref.row_grad_norms_sq`` records to get each row's gradient norm in one pass."""
         return lm_head_log_probs(hidden, self.lm.get_output_embeddings(), targets, self.temperature)
 
 

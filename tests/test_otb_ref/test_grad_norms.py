@@ -772,7 +772,7 @@ def test_chunked_lm_head_takes_only_plain_logits_from_a_model():
     """A head bias, no Linear head, soft-capping or a logit scale other than 1 are refused; a scale of 1 is not."""
     ids, response = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 1], [0, 0, 1]])
     message = "^chunked_lm_head: the model must be a causal LM"
-    for change in ("bias", "no_head", "softcap", "scale"):
+    for change in ("bias", "no_head", "softcap", "scale", "granite"):
         model = tiny_lm("qwen2", tied=False)
         if change == "bias":
             model.lm_head.bias = nn.Parameter(torch.zeros(29, dtype=torch.float64))
@@ -780,6 +780,8 @@ def test_chunked_lm_head_takes_only_plain_logits_from_a_model():
             model.get_output_embeddings = lambda: None
         elif change == "softcap":
             model.config.final_logit_softcapping = 30.0
+        elif change == "granite":  # Granite divides its logits by logits_scaling
+            model.config.logits_scaling = 8.0
         else:
             model.config.logit_scale = 2.0
         with pytest.raises(ValueError, match=message):
@@ -841,7 +843,9 @@ class TupleDecoderLM(nn.Module):
         return self.head
 
     def forward(self, input_ids, attention_mask=None):
-        return self.head(self.get_decoder()(input_ids)[0])
+        return self.head(self.get_decoder()(input_ids)[0]) * self.logit_factor
+
+    logit_factor = 1.0
 
 
 def test_chunked_lm_head_reads_the_hidden_states_of_a_decoder_returning_a_tuple():
@@ -927,17 +931,26 @@ def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(chec
 
 
 class TwoBlockLM(nn.Module):
-    """One block applied twice, each application checkpointed; ``twice_in_one`` calls its linear twice per region;
+    """One block applied twice, each application checkpointed; ``twice_in_one`` calls its linear twice per region
+    (``same_first_position``: on inputs equal at position 0);
     ``embed_inside``: one region holds the embedding and one block."""
 
     def __init__(self, twice_in_one: bool = False, embed_inside: bool = False, vocab: int = 13, width: int = 8):
         super().__init__()
         self.twice_in_one, self.embed_inside, self.checkpointing = twice_in_one, embed_inside, True
+        self.same_first_position = False
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width, bias=False)  # a weight shared by two calls has a cross term; a bias none
         self.head = nn.Linear(width, vocab, bias=False)
 
     def block(self, h):
+        if self.twice_in_one and self.same_first_position:  # the second input equals the first at position 0
+            return h + torch.nn.functional.pad(
+                torch.tanh(self.mix(h + torch.nn.functional.pad(torch.tanh(self.mix(h))[:, :-1], (0, 0, 1, 0))))[
+                    :, :-1
+                ],
+                (0, 0, 1, 0),
+            )
         h = h + torch.tanh(self.mix(h)).cumsum(dim=1)
         return h + torch.tanh(self.mix(h)).cumsum(dim=1) if self.twice_in_one else h
 
@@ -964,11 +977,96 @@ def test_a_layer_shared_by_two_checkpointed_regions_gets_each_input_back():
     torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
 
 
-def test_a_layer_called_twice_inside_one_checkpointed_region_is_refused():
+@pytest.mark.parametrize("same_first_position", [False, True])
+def test_a_layer_called_twice_inside_one_checkpointed_region_gets_each_input_back(same_first_position):
+    """Two waiting calls of one layer: each recomputed input goes to the call it reproduces (by content: inputs
+    that agree at position 0 too), exact."""
     model = TwoBlockLM(twice_in_one=True).double()
+    model.same_first_position = same_first_position
     ids, response, _ = padded_batch(seed=17, vocab=13)
-    with pytest.raises(ValueError, match="^model: Linear is called more than once inside one activation-checkpointed"):
-        sequence_grad_norms_sq(model, ids, response)
+    got = sequence_grad_norms_sq(model, ids, response)
+    model.checkpointing = False
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+class RegionsLM(nn.Module):
+    """Checkpointed regions the tape must handle: ``kind`` picks one (see the test)."""
+
+    def __init__(self, kind: str, vocab: int = 13, width: int = 8):
+        super().__init__()
+        self.kind, self.checkpointing = kind, True
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.norm = OnePlusRMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        with torch.no_grad():
+            self.norm.weight.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(0))
+        if kind == "frozen_embedding":
+            self.embed.weight.requires_grad_(False)
+
+    def region(self, fn, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        if not self.checkpointing:
+            return fn(*args)
+        if self.kind == "selective":
+            import functools
+
+            from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+            def policy(ctx, op, *a, **k):
+                return (
+                    CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+                )
+
+            context = functools.partial(create_selective_checkpoint_contexts, policy)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        if self.kind == "unused_region":  # the layer in two regions, the second one's output unused
+            h = h + self.region(lambda x: torch.tanh(self.mix(x)).cumsum(dim=1), h)
+            self.region(lambda x: self.mix(x), h)
+            return self.head(h)
+        if self.kind == "frozen_embedding":  # a layer on a frozen input (a start of the backward) alone in its region
+            return self.head(torch.tanh(self.region(self.mix, h)).cumsum(dim=1))  # its region is never recomputed
+        # "norm_last" and "selective": the region ends with a (1 + w) norm (the per-row VJP fallback)
+        return self.head(self.region(lambda x: self.norm(x + torch.tanh(self.mix(x)).cumsum(dim=1)), h))
+
+
+class OnePlusRMSNorm(nn.Module):
+    """``(1 + w) ⊙ n(x)``: not ``w ⊙ n(x)``, so its per-row gradients take the vmapped VJP."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["unused_region", "frozen_embedding", "norm_last", "selective"])
+def test_checkpointed_regions_of_every_kind_give_the_exact_norms(kind):
+    """A region never recomputed for a layer's second call; a start of the backward in a region nothing
+    recomputes; a norm whose output gradient comes before its region's recomputation (its VJP runs after it);
+    selective activation checkpointing."""
+    model = RegionsLM(kind).double()
+    ids, response, _ = padded_batch(seed=23, vocab=13)
+    got = sequence_grad_norms_sq(model, ids, response)
+    model.checkpointing = False
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_bias_only_training_without_checkpointing_is_exact():
+    """BitFit: only biases train, so a linear on a frozen input saves nothing for backward, and is not taken for a
+    checkpointed call."""
+    model = tiny_lm("qwen2", tied=False, seed=24)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("bias"))
+    ids, response, attention = padded_batch(seed=24)
+    got = sequence_grad_norms_sq(model, ids, response, attention)
+    torch.testing.assert_close(got.double(), exact_norms(model, ids, response, attention), rtol=RTOL, atol=0)
 
 
 def test_inputs_saved_through_other_saved_tensor_hooks_are_refused():
@@ -993,3 +1091,17 @@ def test_a_tied_embedding_inside_a_checkpointed_region_keeps_its_ids_for_the_cro
     got = sequence_grad_norms_sq(model, ids, response)
     model.checkpointing = False
     torch.testing.assert_close(got.double(), exact_norms(model, ids, response), rtol=RTOL, atol=0)
+
+
+def test_chunked_lm_head_checks_the_models_logits_and_takes_a_single_token():
+    """Logits scaled in the model's own forward, with nothing in a config: refused by the check on one row; rows of
+    one token (nothing to predict) give 0, as with the model's own head."""
+    model = TupleDecoderLM().double()
+    ids, response, _ = padded_batch(seed=25, vocab=13)
+    model.logit_factor = 2.0
+    with pytest.raises(ValueError, match="^chunked_lm_head: the model's logits are not its decoder's hidden states"):
+        sequence_grad_norms_sq(model, ids, response, chunked_lm_head=True)
+    model.logit_factor = 1.0
+    one = torch.zeros(ids.shape[0], 1)
+    got = sequence_grad_norms_sq(model, ids[:, :1], one, chunked_lm_head=True)
+    assert got.tolist() == [0.0] * ids.shape[0] == sequence_grad_norms_sq(model, ids[:, :1], one).tolist()
