@@ -47,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import emit, machine  # noqa: E402
+from harness import emit, machine, provenance  # noqa: E402
 from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
 
 EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
@@ -116,6 +116,7 @@ class Bench:
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
             "date": time.strftime("%Y-%m-%d"),
+            "commit": provenance()["commit"],
             "bench_command": "python " + " ".join(["benchmarks/gpu_train_step.py", *sys.argv[1:]]),
         }
         self.out = open(out, "a") if out else None
@@ -150,9 +151,37 @@ def case_generation(bench: Bench, args, scratch: Path) -> None:
                 "rollout_s": round(record["time/rollout"], 3),
                 "tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "parameters": parameters,
+                "vocab": (QUICK if args.quick else GENERATION)["vocab"],
+                "eos_reachable": False,  # the checkpoint's EOS never wins a draw: every row runs to the cap
                 "command": " ".join(["python", *command[1:]]),
             }
         )
+
+
+def update_flops(shape: dict, rows: int, prompt: float, response: float, epochs: int) -> dict[str, float]:
+    """The update's model FLOPs under two conventions, for ``rows`` rows of ``prompt + response`` tokens each, ×
+    ``epochs``: ``palm``, ``gpu_train_paths.update_model_flops`` (PaLM's: matmul body, attention, the LM head on the
+    response tokens only); ``torchtitan``, ``(6·(N − embedding) + 12·L·d·S)`` per token over all ``S`` tokens.
+    (The third, ``6·N·tokens``, is train.py's own ``update_model_tflops``.)"""
+    from types import SimpleNamespace
+
+    from gpu_train_paths import update_model_flops
+
+    d, layers, f, vocab = shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"]
+    config = SimpleNamespace(
+        hidden_size=d,
+        num_hidden_layers=layers,
+        intermediate_size=f,
+        vocab_size=vocab,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+    )
+    q, k = d, shape["kv_heads"] * (d // shape["heads"])
+    body = layers * (2 * d * q + 2 * d * k + 3 * d * f + 2 * d + q + 2 * k) + d  # matmuls, norms, q/k/v biases
+    non_embedding = body + (0 if shape["tied"] else vocab * d)  # an untied head is not an embedding
+    seq = prompt + response
+    titan = (6 * non_embedding + 12 * layers * d * seq) * seq * rows
+    return {"palm": update_model_flops(config, rows, prompt, response) * epochs, "torchtitan": titan * epochs}
 
 
 def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant: str) -> None:
@@ -162,6 +191,12 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
     for record in records:
         phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
         tflops, cuda_run = record["throughput/update_model_tflops"], "memory/peak_allocated_gib" in record
+        rows = config["prompts_per_step"] * config["group_size"]
+        prompt = (record["sequence_tokens"] - record["generated_tokens"]) / rows  # uniform here: 512
+        flops = update_flops(
+            QUICK if args.quick else QWEN_05B, rows, prompt, record["generated_tokens"] / rows, config["epochs"]
+        )
+        peak = args.peak_tflops * 1e12 * record["time/update"]
         bench.emit(
             {
                 "bench": "train_step",
@@ -175,7 +210,9 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
                 "generation_tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "update_model_tflops": round(tflops, 1),
                 "peak_allocated_gib": round(record["memory/peak_allocated_gib"], 2) if cuda_run else None,
-                "mfu": round(tflops / args.peak_tflops, 4),
+                "mfu": round(tflops / args.peak_tflops, 4),  # 6 × all parameters × non-pad tokens
+                "mfu_palm": round(flops["palm"] / peak, 4),
+                "mfu_torchtitan": round(flops["torchtitan"] / peak, 4),
                 "peak_tflops": args.peak_tflops,
                 "static_decode": config["static_decode"],
                 "micro_batch_size": config["micro_batch_size"],
