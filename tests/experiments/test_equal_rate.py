@@ -215,3 +215,10 @@ def test_the_docs_quote_the_committed_verdict():
         for key in ("otb_loo − rloo", "rloo_matched − rloo"):
             assert f"{c['contrasts'][key]['mean']:+.4f}" in results
         assert c["contrasts"]["otb_loo − rloo_matched"]["mean"] < variance_lr.DELTA  # "below δ" in both docs
+    secondary = [equal_rate.cell(by_cell, n, 1e-3, seeds) for n in equal_rate.GROUP_SIZES]
+    adjusted = equal_rate.holm({c["n"]: c["p_otb"] for c in secondary})
+    assert all(c["complete"] for c in secondary) and all(f"Holm p = {p:.4f}" in results for p in adjusted.values())
+    assert f"ratios {secondary[0]['step_ratio']:.3f}, {secondary[1]['step_ratio']:.3f}" in results
+    fallen = {arm: [sum(c["per"]["collapsed"][arm].values()) for c in secondary] for arm in ("otb_loo", "rloo_matched")}
+    assert f"otb_loo {fallen['otb_loo'][0]} and {fallen['otb_loo'][1]} of 10" in results
+    assert f"rloo {fallen['rloo_matched'][0]} and {fallen['rloo_matched'][1]} of 10" in results
