@@ -40,6 +40,17 @@ Definition Var (g : Omega -> 'rV[R]_d) : R := Er (fun w => sqnorm (g w)) - sqnor
 End FiniteProbability.
 
 (* ---------------------------------------------------------------------------------------------------------------- *)
+(* F6: for a probability vector p on a vocabulary V and a token y, the logit gradient e_y - p and the proxy energy
+   ||e_y - p||^2. *)
+Section Proxy.
+Variables (R : realFieldType) (V : finType).
+
+Definition logit_grad (p : V -> R) (y v : V) : R := (v == y)%:R - p v.
+Definition proxy_energy (p : V -> R) (y : V) : R := \sum_v logit_grad p y v ^+ 2.
+
+End Proxy.
+
+(* ---------------------------------------------------------------------------------------------------------------- *)
 (* Setting (S) of proofs/F1: padded responses of length L over a vocabulary V, prompts in X.
 
    A token is [option V]: [Some v] a token of V, [None] the padding symbol.  [stop] is the set of tokens that end a

@@ -119,4 +119,13 @@ rewrite /= sum_option /= !mulr0 !mulr1 add0r mulr_sumr /q; apply: eq_bigr => v _
 by case: (alive h0); rewrite /= ?mul1r ?mul0r ?mulr0.
 Qed.
 
+(* The law is nonnegative. *)
+Lemma Pr_ge0 : prompt_law rho -> policy stop pi -> forall w, 0 <= Pr w.
+Proof.
+move=> [rho0 _] Hpi [x y]; apply: mulr_ge0; first exact: rho0.
+apply: prodr_ge0 => i _; rewrite /Defs.q; case: ifP => al; last by case: (nth _ _ _) => [v|]; rewrite ?lexx ?ler01.
+case: (nth _ _ _) => [v|]; last by rewrite lexx.
+by case: (Hpi x _ al).
+Qed.
+
 End L0.

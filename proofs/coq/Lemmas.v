@@ -9,6 +9,33 @@ Unset Printing Implicit Defensive.
 Import GRing.Theory Num.Theory Order.TTheory.
 Local Open Scope ring_scope.
 
+(* The numeral 2 of ring_scope, as a repeated sum. *)
+Lemma mul2r (R : ringType) (x : R) : 2 * x = x *+ 2.
+Proof. by rewrite -mulr_natl. Qed.
+
+(* Completing the square: with c = C / A (0 when A = 0), A b^2 - 2 C b = A (b - c)^2 - C c,
+   whenever A <> 0 or C = 0. *)
+Lemma quad_gap (R : fieldType) (A C b : R) : (A != 0) \/ (C = 0) ->
+  A * b ^+ 2 - 2 * C * b = A * (b - C / A) ^+ 2 - C * (C / A).
+Proof.
+case=> [A0|->]; last by rewrite !(mul0r, mulr0, subr0).
+set c := C / A; have -> : C = A * c by rewrite /c mulrC divfK.
+rewrite sqrrB mulrDr mulrBr -(mulrA A c c) -expr2 addrK.
+by rewrite mul2r mulrnAl mulrnAr (mulrC b c) [A * (c * b)]mulrA.
+Qed.
+
+Lemma sq_expand (R : comRingType) (r b s : R) : (r - b) ^+ 2 * s = s * r ^+ 2 - 2 * b * (s * r) + b ^+ 2 * s.
+Proof.
+rewrite sqrrB mulrDl mulrBl [r ^+ 2 * s]mulrC; congr (_ - _ + _).
+by rewrite -mulrA mul2r mulrnAl [r * b]mulrC -mulrA [r * s]mulrC.
+Qed.
+
+Lemma quad_reorder (R : comRingType) (A C D b : R) : D - 2 * b * C + b ^+ 2 * A = A * b ^+ 2 - 2 * C * b + D.
+Proof.
+rewrite addrC addrA addrAC [b ^+ 2 * A]mulrC; congr (_ - _ + _).
+by rewrite -mulrA [b * C]mulrC mulrA.
+Qed.
+
 Section DotLemmas.
 Variables (R : realFieldType) (d : nat).
 Implicit Types (u v w : 'rV[R]_d) (a : R).
