@@ -36,6 +36,9 @@ rewrite addrC addrA addrAC [b ^+ 2 * A]mulrC; congr (_ - _ + _).
 by rewrite -mulrA [b * C]mulrC mulrA.
 Qed.
 
+Lemma add_shuffle (R : zmodType) (a X Y Z : R) : a - X + Y - Z = a - Z + (Y - X).
+Proof. by rewrite -!addrA; congr (_ + _); rewrite addrC -addrA addrCA. Qed.
+
 Section DotLemmas.
 Variables (R : realFieldType) (d : nat).
 Implicit Types (u v w : 'rV[R]_d) (a : R).
