@@ -125,6 +125,44 @@ Definition Bss (G : nat -> Omega -> R) (t : nat) : R :=
 Definition Botb (W G : nat -> Omega -> R) (t : nat) : R :=
   Er Pr (fun w => mask t w * W t w * G t w) / Er Pr (fun w => mask t w * W t w).
 
+(* ---------------------------------------------------------------------------------------------------------------- *)
+(* F7: a group Y = (Y_0 .. Y_(N-1)) of N independent draws of the law above, P_N(Y) = prod_i P(Y_i).              *)
+Definition group_law (N : nat) (Y : {ffun 'I_N -> Omega}) : R := \prod_(i < N) Pr (Y i).
+
+(* Member i's estimator sum_t m_t s_t (G_t - Bg_t), its baselines Bg i t (x, h) Y read member i's prefix h_t and
+   the group. *)
+Definition ghat_member (N : nat) (G : nat -> Omega -> R)
+    (Bg : 'I_N -> nat -> X -> seq (option V) -> {ffun 'I_N -> Omega} -> R) (i : 'I_N) (Y : {ffun 'I_N -> Omega}) :
+    'rV[R]_d :=
+  \sum_(t < L) (mask t (Y i) * (G t (Y i) - Bg i t (Y i).1 (hist t (Y i)) Y)) *: s_tok t (Y i).
+
+(* Leave-one-out: member i's baselines read only the others (and member i's own prefix). *)
+Definition reads_others (N : nat) (Bg : 'I_N -> nat -> X -> seq (option V) -> {ffun 'I_N -> Omega} -> R) : Prop :=
+  forall i t x h (Y Y' : {ffun 'I_N -> Omega}), (forall j, j != i -> Y j = Y' j) -> Bg i t x h Y = Bg i t x h Y'.
+
+(* THEORY §3's leave-one-out token baseline at position t: over the others alive at t, with energy weights
+   a_j = m_t W_t^j and their plain mean Gbar (0 when none is alive),
+     B = (sum_(j <> i) a_j G_t^j + eps Gbar) / (sum_(j <> i) a_j + eps),   and B = Gbar where the denominator is 0. *)
+Definition loo_mean (N : nat) (G : nat -> Omega -> R) (t : nat) (i : 'I_N) (Y : {ffun 'I_N -> Omega}) : R :=
+  (\sum_(j < N | j != i) mask t (Y j) * G t (Y j)) / (\sum_(j < N | j != i) mask t (Y j)).
+Definition loo_baseline (N : nat) (W G : nat -> Omega -> R) (eps : R) (i : 'I_N) (t : nat)
+    (Y : {ffun 'I_N -> Omega}) : R :=
+  let den := \sum_(j < N | j != i) mask t (Y j) * W t (Y j) + eps in
+  if den == 0 then loo_mean G t i Y
+  else (\sum_(j < N | j != i) mask t (Y j) * W t (Y j) * G t (Y j) + eps * loo_mean G t i Y) / den.
+
+(* Sequence level: member i's estimator S (R - b), and THEORY's leave-one-out baseline
+   b = (sum_(j <> i) v_j R_j + eps Rbar) / (sum_(j <> i) v_j + eps) (Rbar where the denominator is 0). *)
+Definition ghat_seq_member (N : nat) (Rw : Omega -> R) (b : 'I_N -> {ffun 'I_N -> Omega} -> R) (i : 'I_N)
+    (Y : {ffun 'I_N -> Omega}) : 'rV[R]_d := (Rw (Y i) - b i Y) *: S (Y i).
+Definition mean_others (N : nat) (f : Omega -> R) (i : 'I_N) (Y : {ffun 'I_N -> Omega}) : R :=
+  (\sum_(j < N | j != i) f (Y j)) / (N - 1)%:R.
+Definition mean_all (N : nat) (f : Omega -> R) (Y : {ffun 'I_N -> Omega}) : R := (\sum_(j < N) f (Y j)) / N%:R.
+Definition seq_loo_baseline (N : nat) (v Rw : Omega -> R) (eps : R) (i : 'I_N) (Y : {ffun 'I_N -> Omega}) : R :=
+  let den := \sum_(j < N | j != i) v (Y j) + eps in
+  if den == 0 then mean_others Rw i Y
+  else (\sum_(j < N | j != i) v (Y j) * Rw (Y j) + eps * mean_others Rw i Y) / den.
+
 End Setting.
 
 Arguments mask {R X V L} stop t w.

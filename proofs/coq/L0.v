@@ -128,4 +128,13 @@ case: (nth _ _ _) => [v|]; last by rewrite lexx.
 by case: (Hpi x _ al).
 Qed.
 
+(* The law sums to 1. *)
+Lemma Pr_sum1 : prompt_law rho -> policy stop pi -> \sum_w Pr w = 1.
+Proof.
+move=> [_ rho1] Hpi; have := Er_Pr (fun=> 1); rewrite /Er.
+under eq_bigr do rewrite mulr1.
+move=> ->; rewrite -[RHS]rho1; apply: eq_bigr => x _.
+by under eq_bigr do rewrite mulr1; rewrite law_sum1 // mulr1.
+Qed.
+
 End L0.

@@ -39,6 +39,16 @@ Qed.
 Lemma add_shuffle (R : zmodType) (a X Y Z : R) : a - X + Y - Z = a - Z + (Y - X).
 Proof. by rewrite -!addrA; congr (_ + _); rewrite addrC -addrA addrCA. Qed.
 
+(* Include-self against leave-one-out plain means: a - (a + s)/N = ((N-1)/N) (a - s/(N-1)), N >= 2. *)
+Lemma self_loo (R : realFieldType) (N : nat) (a s : R) : (1 < N)%N ->
+  a - (a + s) / N%:R = ((N - 1)%:R / N%:R) * (a - s / (N - 1)%:R).
+Proof.
+move=> N1; have n0 : (N%:R : R) != 0 by rewrite pnatr_eq0 -lt0n ltnW.
+have n1 : ((N - 1)%:R : R) != 0 by rewrite pnatr_eq0 subn_eq0 -ltnNge.
+apply: (mulIf n0); rewrite mulrBl (divfK n0) mulrAC (divfK n0) mulrBr mulrCA (divff n1) mulr1.
+by rewrite natrB ?(ltnW N1) // mulrBl mul1r [N%:R * a]mulrC opprD addrA.
+Qed.
+
 Section DotLemmas.
 Variables (R : realFieldType) (d : nat).
 Implicit Types (u v w : 'rV[R]_d) (a : R).
