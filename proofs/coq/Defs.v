@@ -163,6 +163,13 @@ Definition seq_loo_baseline (N : nat) (v Rw : Omega -> R) (eps : R) (i : 'I_N) (
   if den == 0 then mean_others Rw i Y
   else (\sum_(j < N | j != i) v (Y j) * Rw (Y j) + eps * mean_others Rw i Y) / den.
 
+(* GRPO's std scaling (sequence level): A_i = (R_i - Rbar) / sigma, sigma the group's reward std (any sigma >= 0
+   with sigma^2 = sum_j (R_j - Rbar)^2 / k: k = N - 1 for the unbiased std, k = N for the population std). *)
+Definition sq_dev (N : nat) (Rw : Omega -> R) (Y : {ffun 'I_N -> Omega}) : R :=
+  \sum_(j < N) (Rw (Y j) - mean_all Rw Y) ^+ 2.
+Definition ghat_seq_std (N : nat) (Rw : Omega -> R) (sigma : {ffun 'I_N -> Omega} -> R) (i : 'I_N)
+    (Y : {ffun 'I_N -> Omega}) : 'rV[R]_d := ((Rw (Y i) - mean_all Rw Y) / sigma Y) *: S (Y i).
+
 End Setting.
 
 Arguments mask {R X V L} stop t w.
