@@ -21,7 +21,6 @@ RULES = {  # rule: (PORTING checklist item, what the port does instead)
     "clamp": (1, "w_t = (1 − 2π) + Σπ² unclamped"),
     "is_squared": (1, "per-token energy times ρ̄_t, not ρ̄_t²"),
     "is_after_clamp": (1, "clamp(w_t ρ̄_t²) instead of clamp(w_t) ρ̄_t²"),
-    "w_dtype": (5, "w_t evaluated in fp64 from fp32 inputs (the result still rounded to fp32)"),
     "precision_G": (2, "G_t accumulated in the compute dtype, from the end, one token at a time"),
     "returns": (2, "sequence estimators return G_t, not R m_t"),
     "epsilon": (3, "verl's Σ a G / (Σ a + ε) (0 where the denominator is 0): no ε Ḡ in the numerator"),
@@ -53,12 +52,25 @@ RULES = {  # rule: (PORTING checklist item, what the port does instead)
 }
 
 
+# Rules the vectors cannot check, each with its port (which passes every case) and the reason.
+UNCHECKED = {
+    "w_dtype": (
+        5,
+        "w_t evaluated in fp64 from fp32 inputs",
+        "it moves w_t by π(y)'s fp32 rounding (half an ulp at most), less than fp32 exps differ among themselves: "
+        "NumPy 2.4.6's fp32 exp is up to 2.2 ulps off and differs from the correctly rounded value in 42-52% of "
+        "draws (AMD EPYC; python conformance/exp_ulps.py, conformance/records/exp_ulps.jsonl), so no well-posed "
+        "case tells fp64 w from another fp32 exp",
+    ),
+}
+
+
 def port(rule: str):
     """The port that breaks ``rule``: called like ``compute_advantages``."""
-    if rule not in RULES:
-        raise ValueError(f"rule: one of {sorted(RULES)}, got {rule!r}")
+    if rule not in RULES and rule not in UNCHECKED:
+        raise ValueError(f"rule: one of {sorted(RULES) + sorted(UNCHECKED)}, got {rule!r}")
     return functools.partial(vector_port.compute_advantages, bug=rule)
 
 
-for _rule in RULES:  # one module-level function per rule, for ``check.py one_rule.py:RULE``
+for _rule in [*RULES, *UNCHECKED]:  # one module-level function per rule, for ``check.py one_rule.py:RULE``
     globals()[_rule] = port(_rule)
