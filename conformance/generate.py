@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -296,8 +297,12 @@ def main() -> None:
     stored, cases = build_cases()
     OUT.write_text(json.dumps(document(stored, cases), separators=(",", ":"), ensure_ascii=False) + "\n")
     counts = {rule: sum(rule in case["tags"] for case in cases) for rule in RULES}
-    bound = sum("max_abs" in case for case in cases)
-    print(f"{OUT.name}: {len(cases)} cases ({bound} bound-only), {OUT.stat().st_size / 1e6:.2f} MB")
+    bound = [case["input"] for case in cases if "max_abs" in case]
+    print(f"{OUT.name}: {len(cases)} cases over {len(stored)} input sets, {OUT.stat().st_size / 1e6:.2f} MB")
+    print(f"bound-only cases: {len(bound)}, by input: {dict(Counter(bound))}")
+    for dtype in ("float64", "float32"):
+        atol = [case["atol"] for case in cases if stored[case["input"]]["dtype"] == dtype and "max_abs" not in case]
+        print(f"median atol of the {dtype} cases with a tolerance: {np.median(atol):.3g}")
     print(f"cases per rule tag: {counts}")
 
 
