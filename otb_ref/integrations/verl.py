@@ -65,7 +65,7 @@ from typing import Any
 
 from otb_ref.advantages import compute_advantages
 from otb_ref.estimators import ESTIMATORS
-from otb_ref.integrations import verl_fused
+from otb_ref.integrations import verl_fused, verl_v1
 
 __all__ = ["PREFIX", "TESTED_VERL", "install", "resolve", "config_problems", "registered_names"]
 
@@ -77,6 +77,8 @@ SUFFIXES = {"_loo": "leave_one_out", "_std": "std_normalize"}
 _log = logging.getLogger(__name__)
 _route_installed = False
 _fused_route_installed = False
+_v1_route_installed = False
+VERL_PROXY_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # verl's own OTB (needs Σπ²)
 
 EXACT_UNSUPPORTED = (
     "verl computes no per-response gradient norms (||S||², ||S_t||²); use otb_ref.otb (the proxy) in verl, "
@@ -140,25 +142,30 @@ VISION_LANGUAGE_TYPES = (
 
 
 def config_problems(config: Any) -> list[str]:
-    """What a full verl config (``DictConfig``) lacks to feed its ``otb_ref.*`` estimator, one line per key;
-    ``[]`` when it is fine or the estimator is not ours (but for an environment in which verl cannot build a model,
-    refused whatever the estimator)."""
+    """What a full verl config (``DictConfig``) lacks to feed its estimator, one line per key: an ``otb_ref.*`` name,
+    or verl's own OTB (:data:`VERL_PROXY_ESTIMATORS`, which needs Σπ² as ours do); ``[]`` when it is fine or the
+    estimator is another of verl's (but for an environment in which verl cannot build a model, refused whatever the
+    estimator)."""
     problems = _environment_problems(config)
     adv_estimator = config.algorithm.adv_estimator
     if not is_ours(adv_estimator):
-        return problems
+        return problems + (_proxy_problems(config) if _name_of(adv_estimator) in VERL_PROXY_ESTIMATORS else [])
     name, _ = resolve(adv_estimator, config.algorithm)
     energy = ESTIMATORS[name].energy
     if energy == "exact":
         return problems + [
             f"algorithm.adv_estimator={_name_of(adv_estimator)}: unsupported: " + EXACT_UNSUPPORTED.format(name=name)
         ]
-    if energy != "proxy":
-        return problems
+    return problems + (_proxy_problems(config) if energy == "proxy" else [])
+
+
+def _proxy_problems(config: Any) -> list[str]:
+    """What a config lacks to give an estimator Σπ² and old log-probs (any trainer, engine, kernels)."""
+    problems = []
     if not _route_installed:
         problems.append(f"verl {_verl_version()} is not a tested version {TESTED_VERL}: no route for Σπ²")
-    if config.trainer.get("use_v1", True):
-        problems.append("trainer.use_v1=false (verl's V1 trainer does not fetch sum_pi_squared for advantages)")
+    elif config.trainer.get("use_v1", True):
+        problems.extend(_v1_problems(config))
     if not config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False):
         problems.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
     correction = config.algorithm.get("rollout_correction", None)
@@ -168,6 +175,23 @@ def config_problems(config: Any) -> list[str]:
             "the one that computes Σπ²)"
         )
     return problems + _engine_problems(config.actor_rollout_ref)
+
+
+def _v1_problems(config: Any) -> list[str]:
+    """Why the V1 trainer the config selects would not deliver Σπ² (otb_ref's V1 route off or bypassed)."""
+    if not _v1_route_installed:
+        reason = f"{verl_v1.OPT_OUT}=0 turned it off" if verl_v1.opted_out() else f"verl {_verl_version()}'s V1 differs"
+        return [
+            f"unset {verl_v1.OPT_OUT} or trainer.use_v1=false (otb_ref's V1 route for Σπ² is not installed: {reason})"
+        ]
+    mode = _trainer_mode(config)
+    problem = verl_v1.trainer_problem(mode)
+    return [f"trainer.v1.trainer_mode=sync, colocate_async or separate_async ({problem})"] if problem else []
+
+
+def _trainer_mode(config: Any) -> str:
+    v1 = config.trainer.get("v1", None)
+    return str(v1.get("trainer_mode", "sync")) if v1 is not None else "sync"
 
 
 def _engine_problems(actor_rollout_ref: Any) -> list[str]:
@@ -240,9 +264,9 @@ def _environment_problems(config: Any) -> list[str]:
 def _missing_inputs_message(registered: str) -> str:
     return (
         f"{registered} needs sum_pi_squared and old_log_probs, which verl did not pass. Set "
-        "trainer.use_v1=false, actor_rollout_ref.actor.calculate_sum_pi_squared=true, "
-        "algorithm.rollout_correction.bypass_mode=false and actor_rollout_ref.model.use_fused_kernels=false (or its "
-        "torch backend on the FSDP engine)"
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=true and algorithm.rollout_correction.bypass_mode=false; "
+        "fused kernels need the FSDP engine's torch backend. `python -m otb_ref.integrations.verl --check "
+        "[your overrides]` lists every key to change"
         + ("" if _route_installed else f"; and use a tested verl {TESTED_VERL} (found {_verl_version()})")
     )
 
@@ -343,7 +367,7 @@ def install() -> None:
     """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
     ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``, and install the fused-kernel route
     for Σπ² (:func:`otb_ref.integrations.verl_fused.install`). Idempotent."""
-    global _route_installed, _fused_route_installed
+    global _route_installed, _fused_route_installed, _v1_route_installed
     from verl.trainer.ppo import core_algos
 
     for registered in registered_names():
@@ -366,3 +390,6 @@ def install() -> None:
     _fused_route_installed = verl_fused.install()
     if not _fused_route_installed:
         _log.warning("otb_ref: verl's fused LM-head path is not the expected one: no Σπ² with fused kernels")
+    _v1_route_installed = verl_v1.install()
+    if not _v1_route_installed and not verl_v1.opted_out():
+        _log.warning("otb_ref: verl's V1 trainer is not the expected one: no Σπ² on trainer.use_v1=true")
