@@ -236,18 +236,19 @@ def actor_rollout_ref_worker(actor, ref=None, config=None, detach: bool = False)
 def agent_loop_samples(seed: int, prompts: int, n: int, vocab: int, outputs_per_session=None):
     """(keys, fields, tags) as V1's agent loop puts them in TQ (``AgentLoopOutput.as_dict()`` and the fields its
     post-processing adds): ``{uid}_{session}_{i}`` keys, one sample per output with its prompt, response, masks, the
-    rollout's log-probs, rewards on the last response token. ``outputs_per_session``: a dict
+    rollout's log-probs, rewards on the last response token. Sequences have 7 to 12 tokens (two never fit a budget of
+    12: one sequence per remove-padding micro-batch). ``outputs_per_session``: a dict
     ``(prompt, session) -> k`` of sessions that return k outputs (the earlier ones get the final reward, as verl)."""
     rng = np.random.default_rng(seed)
     keys, fields, tags = [], [], []
     for p in range(prompts):
         uid = f"u{p}x{seed}"
-        prompt = torch.tensor(rng.integers(0, vocab, size=int(rng.integers(2, 6))))
+        prompt = torch.tensor(rng.integers(0, vocab, size=int(rng.integers(4, 6))))
         for s in range(n):
             k = (outputs_per_session or {}).get((p, s), 1)
             reward = float(rng.choice([0.0, 1.0, 0.5]))
             for i in range(k):
-                response = torch.tensor(rng.integers(0, vocab, size=int(rng.integers(2, 8))))
+                response = torch.tensor(rng.integers(0, vocab, size=int(rng.integers(3, 8))))
                 mask = torch.ones_like(response)
                 if len(response) > 3 and rng.random() < 0.3:
                     mask[1] = 0  # a tool token inside a multi-turn response

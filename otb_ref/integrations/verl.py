@@ -222,22 +222,28 @@ def _fused_refusal(strategy: str, model: Any) -> str | None:
         return f"the {backend} backend's kernel gives no Σπ²" + keep_fused
     if backend == "liger" and importlib.util.find_spec("liger_kernel") is not None:
         return "liger-kernel is installed, so the liger backend runs liger's kernel, which gives no Σπ²" + keep_fused
-    if _is_vision_language(model.get("path", None)):
+    hf_config = _local_hf_config(model.get("path", None))
+    if hf_config is None:
+        return None
+    if "vision_config" in hf_config or hf_config.get("model_type") in VISION_LANGUAGE_TYPES:
         return "a vision-language model: verl's fused forward for it is not covered"
+    rescaled = verl_fused.logit_rescaling(hf_config)
+    if rescaled is not None:
+        return f"the model's head rescales or caps its logits ({rescaled}), which verl's fused forward does not apply"
     return None
 
 
-def _is_vision_language(path: Any) -> bool:
-    """Whether the model at ``path`` (a local directory with config.json) is vision-language; False if unreadable
-    (the engine then refuses at the first old-log-prob pass instead)."""
+def _local_hf_config(path: Any) -> dict | None:
+    """config.json of the model at ``path`` (a local directory), or None if unreadable (the engine then checks the
+    loaded model at the first old-log-prob pass instead)."""
     config_file = Path(str(path)) / "config.json" if path else None
     if config_file is None or not config_file.is_file():
-        return False
+        return None
     try:
         hf_config = json.loads(config_file.read_text())
     except (OSError, ValueError):
-        return False
-    return "vision_config" in hf_config or hf_config.get("model_type") in VISION_LANGUAGE_TYPES
+        return None
+    return hf_config if isinstance(hf_config, dict) else None
 
 
 def _environment_problems(config: Any) -> list[str]:

@@ -359,3 +359,38 @@ def test_a_custom_trainer_that_overrides_the_advantage_step_is_refused():
         assert any("trainer.v1.trainer_mode=" in p for p in plugin.config_problems(config))
     finally:
         del trainer_base.TRAINER_REGISTRY[name]
+
+
+def test_fused_route_under_the_engines_bf16_autocast(store, monkeypatch):
+    """The V1 old-log-prob pass with fused kernels, the FSDP engine's forward_step under its default bf16 autocast:
+    the route runs inside that autocast, and its Σπ² equals the exact one of the logits the LM head gave there
+    (recomputed in fp64) within 1e-6; confident tokens' energies are positive; the snapshot holds those values."""
+    from otb_ref.integrations import verl_fused
+
+    calls = []
+    original = verl_fused.chunk_statistics
+
+    def recording(hidden, weight, labels, temperature, chunk_size, cross_entropy=None):
+        out = original(hidden, weight, labels, temperature, chunk_size, cross_entropy)
+        calls.append((torch.is_autocast_enabled("cpu"), hidden, weight, labels, temperature, out))
+        return out
+
+    monkeypatch.setattr(verl_fused, "chunk_statistics", recording)
+    samples = verl_cpu.agent_loop_samples(seed=16, prompts=2, n=3, vocab=SIZES["vocab_size"])
+    config = _config("sync", "otb_ref.otb", rows=6)
+    model = _model(seed=12, fused=True, remove_padding=True)
+    trainer = _trainer(config, _worker(model, "rmpad", True, config, autocast_dtype=torch.bfloat16), store=store)
+    batch = trainer._compute_old_log_prob(_put_rollout(store, samples), metrics={})
+    assert len(calls) == 6 and all(call[0] for call in calls)  # one micro-batch per sequence, all under autocast
+    for _, hidden, weight, labels, temperature, (log_probs, _, spsq) in calls:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()) / temperature  # the route's logits
+        pi = logits.double().softmax(-1)
+        p_label = pi.gather(-1, labels.reshape(-1, 1)).squeeze(-1)
+        assert float((spsq.reshape(-1).double() - pi.square().sum(-1)).abs().max()) <= 1e-6
+        energy = 1 - 2 * log_probs.reshape(-1).double().exp() + spsq.reshape(-1).double()
+        exact = 1 - 2 * p_label + pi.square().sum(-1)
+        assert float((energy - exact).abs().max()) <= 1e-6
+        assert bool((energy[(p_label > 0.99) & (p_label < 0.999)] > 0).all())
+    snapshot = store.kv_batch_get(batch.keys, "train", select_fields=[verl_v1.SNAPSHOT])[verl_v1.SNAPSHOT]
+    assert snapshot.dtype == torch.float32 and len(snapshot.offsets()) == len(batch.keys) + 1
