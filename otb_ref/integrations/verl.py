@@ -399,3 +399,9 @@ def install() -> None:
     _v1_route_installed = verl_v1.install()
     if not _v1_route_installed and not verl_v1.opted_out():
         _log.warning("otb_ref: verl's V1 trainer is not the expected one: no Σπ² on trainer.use_v1=true")
+
+
+if __name__ == "__main__":  # python -m otb_ref.integrations.verl --check [hydra overrides…]
+    from otb_ref.integrations.verl_check import main
+
+    raise SystemExit(main())
