@@ -8,35 +8,36 @@ suffixes ``_loo`` (leave-one-out) and ``_std`` (std scaling), e.g. ``otb_ref.otb
 :func:`otb_ref.compute_advantages`' (so ``otb_ref.otb`` equals verl's ``optimal_token_baseline`` with
 ``+algorithm.otb_ref.handle_zero_tail=true``, verl's default there).
 
-What works in verl 0.9.1 (``trainer.use_v1`` picks the trainer; V1 is the default):
+What works in verl 0.9.1, on its default V1 trainer (``trainer.use_v1=true``, every ``trainer.v1.trainer_mode``)
+and on the legacy one alike:
 
-==========================================  ===================================  ===========================
-estimators                                  legacy trainer (use_v1=false)        V1 trainer
-==========================================  ===================================  ===========================
-rewards only: grpo, rloo, opo,              yes                                  yes
+==========================================  ===========================================================
+estimators                                  V1 and legacy trainers
+==========================================  ===========================================================
+rewards only: grpo, rloo, opo,              yes
 token_mean, token_length
-proxy: otb, sequence_proxy                  with ``actor.calculate_sum_pi_squared  no: V1 fetches no Σπ²
-                                            =true``; engines and fused kernels:
-                                            the next table
+proxy: otb, sequence_proxy, and verl's own  with ``actor.calculate_sum_pi_squared=true``; engines and
+optimal_token_baseline and                  fused kernels: the next table
+tir_optimal_token_baseline
 exact: eob, otb_exact                       no: verl computes no per-response gradient norms
-==========================================  ===================================  ===========================
+==========================================  ===========================================================
 
-Where proxy estimators get Σπ² (legacy trainer, ``actor.calculate_sum_pi_squared=true``); every "refused" is
-refused by ``validate_config`` before any worker starts, with the keys to change:
+Where proxy estimators get Σπ² (``actor.calculate_sum_pi_squared=true``); every "refused" is refused by
+``validate_config`` before any worker starts, with the keys to change:
 
 ==================================================  ========================================================
 actor engine (``actor.strategy``) and model         Σπ²
 ==================================================  ========================================================
 fsdp / fsdp2, ``model.use_fused_kernels=false``     verl's own, from the full logits
 fsdp / fsdp2, fused kernels with                    otb_ref's route (:mod:`otb_ref.integrations.verl_fused`):
-``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits;
-``liger`` without liger-kernel: the same forward)   remove-padding on and off
+``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits, fp32
+``liger`` without liger-kernel: the same forward)   under verl's autocast; remove-padding on and off
 fused kernels, ``impl_backend=triton``              refused: ``impl_backend=torch`` or
                                                     ``use_fused_kernels=false``
 fused kernels, ``liger`` with liger-kernel          refused: as triton
-fused kernels, vision-language model                refused: ``use_fused_kernels=false`` (known at validation
-                                                    when ``model.path`` is a local directory; otherwise at
-                                                    the first old-log-prob pass)
+fused kernels, vision-language model, or a head     refused: ``use_fused_kernels=false`` (known at validation
+that rescales or caps its logits (Granite,          when ``model.path`` is a local directory; otherwise at
+Cohere, Gemma2/3: config keys)                      the first old-log-prob pass)
 megatron, veomni (or fsdp_turbo), fused kernels     refused: ``use_fused_kernels=false``
 megatron, veomni, fsdp_turbo without fused kernels  verl's own
 automodel, torchtitan (any mode)                    refused: ``actor.strategy=fsdp`` (they compute no Σπ²)
@@ -44,12 +45,15 @@ automodel, torchtitan (any mode)                    refused: ``actor.strategy=fs
 ==================================================  ========================================================
 
 Proxy estimators need Σπ² and old log-probs; verl passes them (and rollout IS weights) only to its own two OTB
-names. :func:`install` therefore wraps ``compute_advantage`` in both modules that hold it (``ray_trainer`` and
-``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, wraps ``validate_config`` so that a
-configuration that cannot feed the chosen estimator fails before training starts, with one message naming the
-keys to set, and installs the fused-kernel route. ``validate_config`` also refuses, for any estimator, an
+names, and its V1 trainer computes no Σπ² at all. :func:`install` therefore wraps ``compute_advantage`` in both
+modules that hold it (``ray_trainer`` and ``v1.utils``) so that ``otb_ref.*`` names receive the same three keys,
+installs the V1 route (:mod:`otb_ref.integrations.verl_v1`: the old-log-prob pass asks for Σπ², which reaches the
+advantage step and the W-score metrics; opt out with ``OTB_REF_VERL_V1_ROUTE=0``) and the fused-kernel route, and
+wraps ``validate_config`` so that a configuration that cannot feed the chosen estimator fails before training
+starts, with one message naming the keys to set. ``validate_config`` also refuses, for any estimator, an
 environment with a TRL that verl's FSDP model build cannot import (TRL 1.16: install the extras apart). The wraps
-are installed for the verl versions in :data:`TESTED_VERL` only.
+are installed for the verl versions in :data:`TESTED_VERL` only. ``python -m otb_ref.integrations.verl --check
+[overrides…]`` (:mod:`otb_ref.integrations.verl_check`) reports all of this for a run, in a fresh interpreter.
 """
 
 from __future__ import annotations
