@@ -70,8 +70,9 @@ def chunk_statistics(hidden, weight, labels, temperature: float, chunk_size: int
     are verl's. Everything after them runs in fp32 with autocast off: the softmax, verl's log-probs and entropy
     (the same fp32 operations as verl's, so the same numbers; ``cross_entropy`` is verl's flash-attn kernel where
     it uses one, else ``log_softmax``) and ``Σ_v π_v²`` of the same ``π``, a reduction that autocast would
-    otherwise run as a bf16 matmul (relative error ~1e-2; the energy ``1 − 2π + Σπ²`` of a confident token is
-    then wrong by more than itself). hidden: ``[..., d]``; weight: ``[V, d]``; labels: ``[...]``. Returns three
+    otherwise run as a bf16 matmul (bf16's 8-bit significand: relative errors up to ~1e-2, so the energy
+    ``1 − 2π + Σπ²`` of a confident token is wrong by more than itself, often negative).
+    hidden: ``[..., d]``; weight: ``[V, d]``; labels: ``[...]``. Returns three
     tensors shaped like ``labels``: fp32, hidden's dtype (as verl), fp32.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])

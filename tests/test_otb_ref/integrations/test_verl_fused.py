@@ -246,6 +246,12 @@ def test_chunk_statistics_are_exact_under_bf16_autocast(chunk_size):
     assert float(energy.min()) >= -1e-7
     torch.testing.assert_close(log_probs, verl_log_probs, rtol=0, atol=0)
     torch.testing.assert_close(entropy, verl_entropy, rtol=0, atol=0)
+    # The reduction left to autocast (the route before issue 37): a bf16 matmul, off by more than 1e-3.
+    probs = logits.float().softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_spsq = torch.einsum("rv,rv->r", probs, probs)
+    bf16_energy = 1 - 2 * log_probs.double().exp() + bf16_spsq.double()
+    assert float((bf16_energy - exact).abs().max()) > 1e-3 and bool((bf16_energy < -1e-4).any())
 
 
 RESCALING = {
