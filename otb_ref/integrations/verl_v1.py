@@ -96,6 +96,8 @@ def _old_log_prob(original):
     def _compute_old_log_prob(self, batch, metrics):
         if not wants_sum_pi_squared(self.config):
             return original(self, batch, metrics)
+        if batch.extra_info is None:
+            batch.extra_info = {}
         asked = batch.extra_info
         asked[FLAG] = True
         try:
