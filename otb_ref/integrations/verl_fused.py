@@ -3,7 +3,8 @@
 verl's fused forward computes the log-probs and entropy chunk by chunk from the last hidden states and the LM-head
 weight, so no ``[T, V]`` logits exist; its FSDP engine therefore refuses ``calculate_sum_pi_squared`` there.
 :func:`install` adds Σπ² to that same chunk loop (one LM-head matmul per chunk: ``log π(y)``, the entropy and
-``Σ_v π_v²`` all come from one ``softmax`` of it) by wrapping four functions of verl:
+``Σ_v π_v²`` all come from one ``softmax`` of it) by wrapping four functions of verl, and a fifth for the
+non-fused path:
 
 1. ``dense_common.forward_with_torch_backend`` (the forward verl's monkey patch gives text models for the torch and
    liger backends): with the keyword ``otb_ref_sum_pi_squared=True`` it runs the model with Σπ² requested and
@@ -13,10 +14,14 @@ weight, so no ``[T, V]`` logits exist; its FSDP engine therefore refuses ``calcu
 3. ``FSDPEngineWithLMHead.prepare_model_inputs``: adds that keyword when the micro-batch asks for Σπ² with fused
    kernels, after checking that the model's forward is the wrapped one (else it refuses, naming the keys);
 4. ``FSDPEngineWithLMHead.prepare_model_outputs``: lays Σπ² out as the log-probs (remove-padding on and off)
-   instead of raising.
+   instead of raising;
+5. ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (verl's own Σπ² of its non-fused path): in
+   fp32 with autocast off, 512 rows at a time (:func:`_full_logits_in_fp32`); under verl's default bf16 autocast
+   verl's formula ran in bf16.
 
-A run that does not ask for Σπ² with fused kernels goes through verl's functions unchanged. The forward wrap takes
-effect for models built after :func:`install` (verl's monkey patch reads the module attribute when it patches).
+A run that does not ask for Σπ² with fused kernels goes through verl's functions 1–4 unchanged. The forward wrap
+takes effect for models built after :func:`install` (verl's monkey patch reads the module attribute when it
+patches).
 """
 
 from __future__ import annotations
@@ -228,10 +233,34 @@ def _prepare_outputs(original):
     return prepare_model_outputs
 
 
+def _full_logits_in_fp32(original):
+    """verl's ``calculate_sum_pi_squared_from_logits`` (its non-fused FSDP path) in fp32 with autocast off.
+
+    Under verl's default bf16 autocast the LM head returns bf16 logits, and verl's
+    ``exp(logsumexp(2x) − 2 logsumexp(x))`` then runs in bf16: its exponent's rounding (logsumexp ~ 1e2 has a bf16
+    spacing of 0.5) makes Σπ² wrong by up to tens of percent. Here each block of 512 rows is upcast and reduced as
+    ``Σ softmax²`` in fp32, so no ``[T, V]`` fp32 copy is made (on fp32 logits: verl's values up to its formula's
+    rounding, ~1e-6 relative)."""
+
+    @functools.wraps(original)
+    def calculate_sum_pi_squared_from_logits(logits):
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty(flat.shape[0], device=logits.device, dtype=torch.float32)
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            for start in range(0, flat.shape[0], 512):
+                probs = flat[start : start + 512].float().softmax(dim=-1)
+                out[start : start + 512] = torch.einsum("rv,rv->r", probs, probs)
+        return out.view(logits.shape[:-1])
+
+    setattr(calculate_sum_pi_squared_from_logits, _MARK, True)
+    return calculate_sum_pi_squared_from_logits
+
+
 def install() -> bool:
     """Put the route in place (idempotent); ``False`` where verl's functions are not the expected ones."""
     try:
         from verl.models.transformers import dense_common
+        from verl.utils import torch_functional as verl_functional
         from verl.utils.experimental import torch_functional as functional
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:
@@ -241,6 +270,7 @@ def install() -> bool:
         (functional.FusedLinearForPPO, "forward", lambda f: _fused_linear_forward(f, functional)),
         (FSDPEngineWithLMHead, "prepare_model_inputs", _prepare_inputs),
         (FSDPEngineWithLMHead, "prepare_model_outputs", _prepare_outputs),
+        (verl_functional, "calculate_sum_pi_squared_from_logits", _full_logits_in_fp32),
     )
     if any(getattr(owner, name, None) is None for owner, name, _ in wraps):
         return False

@@ -254,6 +254,25 @@ def test_chunk_statistics_are_exact_under_bf16_autocast(chunk_size):
     assert float((bf16_energy - exact).abs().max()) > 1e-3 and bool((bf16_energy < -1e-4).any())
 
 
+def test_verls_full_logits_sum_pi_squared_runs_in_fp32():
+    """verl's non-fused Σπ² (``calculate_sum_pi_squared_from_logits``), as the plugin wraps it: within 1e-6
+    (relative) of the exact Σπ² on fp32 and on bf16 logits; verl's own formula is within 1e-5 on fp32 logits (its
+    exp of a difference of log-sum-exps rounds more) and off by more than 1e-3 on bf16 ones; 700 rows cross the
+    512-row blocks."""
+    wrapped = verl_torch_functional.calculate_sum_pi_squared_from_logits
+    verls = wrapped.__wrapped__
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 350, 50, generator=generator) * 6
+    exact = logits.double().softmax(-1).square().sum(-1)
+    assert float(((wrapped(logits).double() - exact) / exact).abs().max()) <= 1e-6
+    assert float(((verls(logits).double() - exact) / exact).abs().max()) <= 1e-5
+    bf16 = logits.to(torch.bfloat16)
+    exact = bf16.double().softmax(-1).square().sum(-1)
+    assert wrapped(bf16).dtype == torch.float32
+    assert float(((wrapped(bf16).double() - exact) / exact).abs().max()) <= 1e-6
+    assert float(((verls(bf16).double() - exact) / exact).abs().max()) > 1e-3
+
+
 RESCALING = {
     "granite": ({"model_type": "granite", "logits_scaling": 8.0}, "logits_scaling=8.0"),
     "cohere_default": ({"model_type": "cohere"}, "logit_scale=0.0625"),
