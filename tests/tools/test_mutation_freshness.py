@@ -112,6 +112,10 @@ def test_a_listed_equivalent_that_a_run_kills_leaves_the_list(tmp_path, monkeypa
     (logged,) = [json.loads(line) for line in (tmp_path / "changes.jsonl").read_text().splitlines()]
     assert logged["change"] == "removed: killed" and logged["entry"]["mutated"] == "now killed"
     assert score.prune_equivalents("proxy") == []
+    entries[0]["mutated"] = "killed at one line, pending at another"
+    killed["mutated"] = entries[0]["mutated"]
+    _write(tmp_path, _header(pending=1), [killed], entries)
+    assert score.prune_equivalents("proxy") == []  # a run with mutants pending removes nothing
 
 
 BITWISE = "core/ReplaceBinaryOperator_Add_BitOr"
