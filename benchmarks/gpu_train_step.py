@@ -17,6 +17,11 @@ distribution is still exactly the model's.
 float64 sampling, the reference sampler of ``otb_train.rollout``). ``tokens_per_s`` is train.py's own
 ``throughput/generation_tokens_per_s`` (generated tokens / the rollout phase, graph capture and scoring included)
 of each step; ``default_in_train``: config.json records ``static_decode: true`` though the flag was not given.
+That case (``case: "built_in_v64"``) is the vocabulary-64 figure with EOS unreachable; ``"qwen05b_eos_reachable"``
+is what a user of a 0.5B model sees: Qwen2.5-0.5B's shape (V = 151,936), the EOS row of the head pointed along the
+mean hidden state so that EOS has probability ~1/200 per token (``reach_eos``; responses end at mixed lengths),
+copy-task prompts of 17–512 tokens, 256 rows. Each record has ``vocab``, ``eos_reachable``, ``copy_lengths``,
+``mean_response_tokens`` and ``truncated_fraction``.
 
 ``bench: "train_step"`` — Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads of 64, 2 KV heads, intermediate
 4864, vocabulary 151936, tied embeddings): seconds of each phase of train.py's step (``rollout``: generation and
@@ -47,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import emit, machine  # noqa: E402
+from harness import emit, machine, provenance  # noqa: E402
 from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
 
 EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
@@ -56,6 +61,23 @@ QWEN_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, 
 QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=64, tied=False)
 ROLLOUT = ["--prompts-per-step", "64", "--group-size", "8", "--max-new-tokens", "512", "--copy-lengths", "255", "511"]
 ROLLOUT_QUICK = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "16", "--copy-lengths", "4", "8"]
+# Mixed prompt lengths (17-512 tokens), 256 rows: the 0.5B generation case whose EOS ends responses (mean ~1/200).
+ROLLOUT_MIXED = [
+    "--prompts-per-step",
+    "32",
+    "--group-size",
+    "8",
+    "--max-new-tokens",
+    "512",
+    "--copy-lengths",
+    "16",
+    "511",
+]
+# Generation cases: (shape, EOS probability per token or None for never, rollout flags).
+GENERATION_CASES = {
+    "built_in_v64": (GENERATION, None, ROLLOUT),
+    "qwen05b_eos_reachable": (QWEN_05B, 1 / 200, ROLLOUT_MIXED),
+}
 STEP_ROWS = ["--prompts-per-step", "32"]  # train_step: 256 rows (32 prompts x 8)
 VARIANTS = {  # train_step variants: extra train.py flags
     "micro16": ["--micro-batch-size", "16"],
@@ -67,8 +89,9 @@ VARIANTS = {  # train_step variants: extra train.py flags
 }
 
 
-def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> int:
-    """A random-init Qwen2 of ``shape`` whose EOS never wins a draw, with the character tokenizer; its parameters."""
+def write_checkpoint(directory: Path, shape: dict, seed: int = 0, eos_probability: float | None = None) -> int:
+    """A random-init Qwen2 of ``shape`` with the character tokenizer; its parameters. Its EOS never wins a draw
+    (``eos_probability=None``), or has about that probability per token (:func:`reach_eos`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = hugging_face_char_tokenizer()
@@ -88,12 +111,44 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> int:
     torch.manual_seed(seed)
     lm = Qwen2ForCausalLM(config)
     with torch.no_grad():
-        head = lm.get_output_embeddings().weight
-        head.mul_(EOS_MARGIN)
-        head[tokenizer.eos_token_id] = 0.0
+        if eos_probability is None:
+            head = lm.get_output_embeddings().weight
+            head.mul_(EOS_MARGIN)
+            head[tokenizer.eos_token_id] = 0.0
+        else:
+            reach_eos(lm, tokenizer.eos_token_id, eos_probability)
     lm.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return sum(p.numel() for p in lm.parameters())
+
+
+@torch.no_grad()
+def reach_eos(lm, eos_id: int, probability: float, positions: int = 256) -> float:
+    """Point the LM head's EOS row along the mean final hidden state of random prompts, scaled so that EOS's mean
+    probability over those positions is ``probability`` (bisection on the scale); returns the probability reached.
+    Responses then end at mixed lengths, as a real policy's do (the EOS-margin checkpoints run every row to the cap)."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = lm.config.vocab_size
+    ids = torch.randint(0, vocab, (positions // 32, 32), generator=generator)
+    hidden = lm.get_decoder()(ids).last_hidden_state.reshape(-1, lm.config.hidden_size).float()  # [positions, d]
+    head = lm.get_output_embeddings().weight
+    others = hidden @ head.float().T  # [positions, V]
+    others[:, eos_id] = -torch.inf
+    rest = others.logsumexp(dim=-1)  # [positions]
+    direction = hidden.mean(dim=0)
+    direction = direction / direction.norm()
+    along = hidden @ direction  # [positions]
+    low, high = 0.0, 1.0
+
+    def mean_p(scale: float) -> float:
+        return float(torch.sigmoid(scale * along - rest).mean())
+
+    while mean_p(high) < probability and high < 1e6:
+        high *= 2
+    for _ in range(60):
+        low, high = (low, (low + high) / 2) if mean_p((low + high) / 2) > probability else ((low + high) / 2, high)
+    head[eos_id] = (high * direction).to(head.dtype)
+    return mean_p(high)
 
 
 def run_train(command: list[str], output_dir: Path, timeout_s: float) -> tuple[list[dict], dict]:
@@ -116,6 +171,7 @@ class Bench:
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
             "date": time.strftime("%Y-%m-%d"),
+            "commit": provenance()["commit"],
             "bench_command": "python " + " ".join(["benchmarks/gpu_train_step.py", *sys.argv[1:]]),
         }
         self.out = open(out, "a") if out else None
@@ -124,35 +180,71 @@ class Bench:
         emit({**record, **self.common}, self.out)
 
 
-def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str]) -> list[str]:
+def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[str], rollout=None) -> list[str]:
     common = ["--steps", str(args.steps), "--output-dir", str(output_dir), "--sample-every", "0", "--save-every", "0"]
     model = ["--model", str(checkpoint), "--lr", "1e-6"] if checkpoint else []
-    rollout = ROLLOUT_QUICK if args.quick else ROLLOUT
+    rollout = ROLLOUT_QUICK if args.quick else (rollout or ROLLOUT)
     return [sys.executable, "train.py", *model, *rollout, *common, *extra]
 
 
-def case_generation(bench: Bench, args, scratch: Path) -> None:
-    checkpoint, output_dir = scratch / "generation_model", scratch / "generation_run"
-    parameters = write_checkpoint(checkpoint, QUICK if args.quick else GENERATION)
-    command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"])
+def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
+    """``name`` of :data:`GENERATION_CASES`: train.py's rollout phase on that checkpoint (two steps)."""
+    shape, eos_probability, rollout = GENERATION_CASES[name]
+    shape = QUICK if args.quick else shape
+    checkpoint, output_dir = scratch / f"{name}_model", scratch / f"{name}_run"
+    parameters = write_checkpoint(checkpoint, shape, eos_probability=eos_probability)
+    rollout = ROLLOUT_QUICK if args.quick else rollout
+    command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"], rollout)
     records, config = run_train(command, output_dir, args.case_timeout)
+    rows = config["prompts_per_step"] * config["group_size"]
     for record in records:
         bench.emit(
             {
                 "bench": "generation",
+                "case": name,
                 "step": record["step"],
                 "default_in_train": config["static_decode"] is True,
                 "static_decode": config["static_decode"],
-                "rows": config["prompts_per_step"] * config["group_size"],
+                "rows": rows,
                 "max_new_tokens": config["max_new_tokens"],
+                "copy_lengths": config["copy_lengths"],
                 "generated_tokens": record["generated_tokens"],
+                "mean_response_tokens": round(record["generated_tokens"] / rows, 1),
                 "truncated_fraction": record["truncated_fraction"],
                 "rollout_s": round(record["time/rollout"], 3),
                 "tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "parameters": parameters,
+                "vocab": shape["vocab"],
+                "eos_reachable": eos_probability is not None,
                 "command": " ".join(["python", *command[1:]]),
             }
         )
+
+
+def update_flops(shape: dict, rows: int, prompt: float, response: float, epochs: int) -> dict[str, float]:
+    """The update's model FLOPs under two conventions, for ``rows`` rows of ``prompt + response`` tokens each, ×
+    ``epochs``: ``palm``, ``gpu_train_paths.update_model_flops`` (PaLM's: matmul body, attention, the LM head on the
+    response tokens only); ``torchtitan``, ``(6·(N − embedding) + 12·L·d·S)`` per token over all ``S`` tokens.
+    (The third, ``6·N·tokens``, is train.py's own ``update_model_tflops``.)"""
+    from types import SimpleNamespace
+
+    from gpu_train_paths import update_model_flops
+
+    d, layers, f, vocab = shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"]
+    config = SimpleNamespace(
+        hidden_size=d,
+        num_hidden_layers=layers,
+        intermediate_size=f,
+        vocab_size=vocab,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+    )
+    q, k = d, shape["kv_heads"] * (d // shape["heads"])
+    body = layers * (2 * d * q + 2 * d * k + 3 * d * f + 2 * d + q + 2 * k) + d  # matmuls, norms, q/k/v biases
+    non_embedding = body + (0 if shape["tied"] else vocab * d)  # an untied head is not an embedding
+    seq = prompt + response
+    titan = (6 * non_embedding + 12 * layers * d * seq) * seq * rows
+    return {"palm": update_model_flops(config, rows, prompt, response) * epochs, "torchtitan": titan * epochs}
 
 
 def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant: str) -> None:
@@ -162,6 +254,12 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
     for record in records:
         phases = {name: round(record[f"time/{name}"], 3) for name in ("rollout", "logprobs", "advantages", "update")}
         tflops, cuda_run = record["throughput/update_model_tflops"], "memory/peak_allocated_gib" in record
+        rows = config["prompts_per_step"] * config["group_size"]
+        prompt = (record["sequence_tokens"] - record["generated_tokens"]) / rows  # uniform here: 512
+        flops = update_flops(
+            QUICK if args.quick else QWEN_05B, rows, prompt, record["generated_tokens"] / rows, config["epochs"]
+        )
+        peak = args.peak_tflops * 1e12 * record["time/update"]
         bench.emit(
             {
                 "bench": "train_step",
@@ -175,7 +273,9 @@ def case_train_step(bench: Bench, args, scratch: Path, checkpoint: Path, variant
                 "generation_tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "update_model_tflops": round(tflops, 1),
                 "peak_allocated_gib": round(record["memory/peak_allocated_gib"], 2) if cuda_run else None,
-                "mfu": round(tflops / args.peak_tflops, 4),
+                "mfu": round(tflops / args.peak_tflops, 4),  # 6 × all parameters × non-pad tokens
+                "mfu_palm": round(flops["palm"] / peak, 4),
+                "mfu_torchtitan": round(flops["torchtitan"] / peak, 4),
                 "peak_tflops": args.peak_tflops,
                 "static_decode": config["static_decode"],
                 "micro_batch_size": config["micro_batch_size"],
@@ -218,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also append the records to this JSONL file")
     parser.add_argument("--only", nargs="+", choices=("torchrun", "generation", "train_step"))
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--generation", nargs="+", choices=tuple(GENERATION_CASES), default=list(GENERATION_CASES))
     parser.add_argument("--steps", type=int, default=2, help="train.py steps per run (the first compiles)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--case-timeout", type=float, default=170.0, help="seconds per train.py run")
@@ -229,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         if "torchrun" in only:
             guarded(bench, {"bench": "torchrun"}, lambda: case_torchrun(bench, args, scratch))
         if "generation" in only:
-            guarded(bench, {"bench": "generation"}, lambda: case_generation(bench, args, scratch))
+            for name in args.generation:
+                labels = {"bench": "generation", "case": name}
+                guarded(bench, labels, lambda n=name: case_generation(bench, args, scratch, n))
         if "train_step" in only:
             checkpoint = scratch / "qwen05b_shape"
             write_checkpoint(checkpoint, QUICK if args.quick else QWEN_05B)

@@ -3,6 +3,7 @@
     python benchmarks/grad_norms.py             # CPU: the built-in tiny model and a wider one (~1 min on 2 cores)
     python benchmarks/grad_norms.py --quick     # seconds (the test suite runs this)
     python benchmarks/grad_norms.py --gpu       # one GPU: a Qwen2.5-0.5B-shaped config in bf16 (random init)
+    python benchmarks/grad_norms.py --gpu --only chunked   # one GPU: the chunked-head cases alone
     python benchmarks/grad_norms.py --rss       # CPU: peak resident memory of each pass, with and without checkpointing
 
 Each case runs, on the same model and batch [B, T] (prompt T/4, response 3T/4), with the LM head either the model's
@@ -13,7 +14,9 @@ own (``head: "full"``, [B, T, V] logits) or ``otb_ref.grad_norms.lm_head_log_pro
   loop       one forward + backward per row, ||grad||² summed over parameters (the naive EOB). When B is
              larger than --loop-rows, the first --loop-rows rows are timed and the total is scaled by
              B / rows: the record says ``loop_rows_timed``.
-Reported: median seconds over --repeats (after one warm-up), the ratios one_pass / ordinary and
+Reported: median seconds over --repeats (after one warm-up), on CUDA also the GPU-busy seconds of one call of each
+pass (kernel time from the profiler, ``*_busy_s``; busy / wall far below 1 means the pass waits on the host), the
+ratios one_pass / ordinary and
 loop / one_pass, peak memory beyond the model (CUDA only: ``max_memory_allocated`` after a reset, minus
 what was allocated before), and the largest relative difference between one_pass and loop norms.
 """
@@ -25,7 +28,7 @@ import json
 
 import torch
 
-from harness import machine, sync, timed
+from harness import device_busy_seconds, machine, provenance, sync, timed
 from otb_ref import row_grad_norms_sq
 from otb_train.model import enable_hf_activation_checkpointing
 
@@ -40,9 +43,10 @@ QUICK_CASES = [
 ]
 # Qwen2.5-0.5B's shape: 24 layers, width 896, 14 heads of 64, 2 KV heads, MLP 4864, vocabulary 151936, tied.
 GPU_MODEL = dict(width=896, layers=24, heads=14, kv=2, ffn=4864, vocab=151936, tied=True)
-GPU_SHAPES = [(16, 512), (32, 512), (8, 2048)]
+# The model's own head ([B, T, V] logits): (shape, activation checkpointing).
+GPU_FULL_CASES = [((16, 512), False), ((16, 512), True), ((32, 512), True)]
 # Past 16k tokens (full [B, T, V] logits no longer fit): the chunked head, with and without activation checkpointing.
-GPU_CHUNKED_SHAPES = [(16, 512), (8, 4096), (16, 2048)]
+GPU_CHUNKED_SHAPES = [(8, 4096), (16, 2048)]
 
 
 def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool = False):
@@ -124,6 +128,8 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     # The lambdas run here, before the `del model` below frees the model (hence the F821 waivers).
     t_ord, m_ord, _ = timed(lambda: ordinary(model, ids, mask, head), device, args.repeats)  # noqa: F821
     t_one, m_one, norms = timed(lambda: one_pass(model, ids, mask, head), device, args.repeats)  # noqa: F821
+    busy_ord = device_busy_seconds(lambda: ordinary(model, ids, mask, head), device)  # noqa: F821
+    busy_one = device_busy_seconds(lambda: one_pass(model, ids, mask, head), device)  # noqa: F821
     loop_rows = min(rows, args.loop_rows)
     t_loop, m_loop, loop_norms = timed(lambda: loop(model, ids, mask, loop_rows, head), device, 1)  # noqa: F821
     rel = ((norms[:loop_rows].double() - loop_norms.double()).abs() / loop_norms.double().clamp_min(1e-30)).max()
@@ -136,6 +142,15 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
         loop_over_one_pass=t_loop * rows / loop_rows / t_one,
         max_rel_diff_one_pass_vs_loop=float(rel),
     )
+    if busy_ord is not None:  # GPU-busy seconds (kernels) beside the wall clock: a host-bound pass shows here
+        record.update(
+            ordinary_busy_s=busy_ord,
+            one_pass_busy_s=busy_one,
+            one_pass_over_ordinary_busy=busy_one / busy_ord,
+            ordinary_busy_over_wall=busy_ord / t_ord,
+            one_pass_busy_over_wall=busy_one / t_one,
+        )
+    record.update(provenance())
     if m_ord is not None:
         record.update(ordinary_peak_gib=m_ord / 2**30, one_pass_peak_gib=m_one / 2**30, loop_peak_gib=m_loop / 2**30)
     del model
@@ -231,6 +246,7 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="only: top operators of the first case's two passes")
     parser.add_argument("--loop-rows", type=int, default=16, help="rows the loop times at most (default: 16)")
     parser.add_argument("--rss", action="store_true", help="only: CPU peak resident memory of each pass")
+    parser.add_argument("--only", choices=("full", "chunked"), help="only the cases of this head")
     parser.add_argument("--rss-child", nargs=2, metavar=("MODE", "CHECKPOINTING"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
@@ -243,8 +259,7 @@ def main(argv=None) -> None:
         parser.error("--gpu: no CUDA device is available")
     if args.gpu:
         device = torch.device("cuda")
-        cases = [(dict(GPU_MODEL, shape=s), False) for s in (GPU_SHAPES[:1] if args.quick else GPU_SHAPES)]
-        cases.append((dict(GPU_MODEL, shape=GPU_SHAPES[0]), True))
+        cases = [(dict(GPU_MODEL, shape=s), c) for s, c in (GPU_FULL_CASES[:1] if args.quick else GPU_FULL_CASES)]
         cases.append((dict(GPU_MODEL, shape=(4, 256), dtype=torch.float32), False))  # exactness vs the loop in fp32
         for shape in GPU_CHUNKED_SHAPES[:1] if args.quick else GPU_CHUNKED_SHAPES:
             cases += [(dict(GPU_MODEL, shape=shape, head="chunked"), checkpointing) for checkpointing in (False, True)]
@@ -252,6 +267,8 @@ def main(argv=None) -> None:
     else:
         device, dtype = torch.device("cpu"), torch.float32
         cases = [(c, False) for c in (QUICK_CASES if args.quick else CPU_CASES)]
+    if args.only:
+        cases = [(case, c) for case, c in cases if case.get("head", "full") == args.only]
     if args.profile:
         for checkpointing in (False, True):
             print(json.dumps(profile_case(cases[0][0], device, dtype, checkpointing)), flush=True)

@@ -4,9 +4,12 @@ measures."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -23,6 +26,28 @@ def machine(device: torch.device | None = None) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name()
     return f"cpu x{torch.get_num_threads()} threads ({os.cpu_count()} cores visible)"
+
+
+def provenance() -> dict:
+    """``{"date", "commit", "clean", "command"}`` of this run: the UTC date, the code's commit (``OTB_REF_COMMIT`` where
+    the tree travelled without its ``.git``, as on a lent GPU machine; else ``git rev-parse HEAD``), whether ``git
+    status --porcelain`` was empty (None when unknown), and the command line."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = os.environ.get("OTB_REF_COMMIT") or git("rev-parse", "HEAD")
+    status = None if os.environ.get("OTB_REF_COMMIT") else git("status", "--porcelain")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "commit": commit,
+        "clean": None if status is None else status == "",
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
 
 
 def emit(record: dict, out=None) -> None:
@@ -60,6 +85,22 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple
         times.append(sync(device) - start)
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     return statistics.median(times), peak, result
+
+
+def device_busy_seconds(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Seconds the GPU spent running kernels during one call of ``fn`` (after a warm-up): the profiler's device
+    time summed over every kernel. Beside the wall clock it shows a host-bound pass (wall much larger than busy).
+    None on CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
 def reset_peak(device: torch.device) -> None:

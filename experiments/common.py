@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -14,6 +15,33 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
+
+
+def read_code_state(root: Path = ROOT) -> dict:
+    """The code at ``root`` now: ``{"commit": git rev-parse HEAD, "clean": git status --porcelain printed nothing}``
+    (an untracked file counts as dirty); both None, with the reason, where ``root`` is not a git work tree."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+    try:
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain")
+    except OSError as error:
+        return {"commit": None, "clean": None, "error": str(error)}
+    if head.returncode != 0 or status.returncode != 0:
+        return {"commit": None, "clean": None, "error": (head.stderr or status.stderr).strip()[:200]}
+    return {"commit": head.stdout.strip(), "clean": status.stdout.strip() == ""}
+
+
+def code_text(code: dict) -> str:
+    """A code state as a report line: the commit and whether the tree was clean."""
+    if code.get("commit") is None:
+        return f"unknown ({code.get('error', 'no git')})"
+    return f"`{code['commit']}`" + (" (clean tree)" if code["clean"] else " (**uncommitted changes**)")
+
+
+# Read once, as the process starts (every driver imports this module first): the code its records carry.
+CODE_AT_START = read_code_state()
 
 
 def machine_name() -> str:
@@ -49,6 +77,7 @@ def write_report(name: str, title: str, sections: list[str], seconds: float, out
         "",
         f"Command: `{command_line()}`  ",
         f"Machine: {machine_name()}  ",
+        f"Code: {code_text(CODE_AT_START)}  ",
         f"Wall time: {seconds:.0f} s",
         "",
     ]
@@ -75,13 +104,16 @@ def write_records(name: str, records: dict, out_dir: Path = RESULTS) -> Path:
     """``<out_dir>/<name>_records.json``: the compact numbers behind a report's tables and figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}_records.json"
-    path.write_text(json.dumps({"command": command_line(), "machine": machine_name(), **compact(records)}) + "\n")
+    record = {"command": command_line(), "machine": machine_name(), "code": CODE_AT_START, **compact(records)}
+    path.write_text(json.dumps(record) + "\n")
     return path
 
 
 def write_json_record(path: Path, record: dict) -> Path:
     """One run's compact JSON record, written whole to ``<path>.partial`` and then renamed (a run killed mid-write
-    leaves no record, so a resumed driver runs it again)."""
+    leaves no record, so a resumed driver runs it again). It carries the process's code at its start
+    (:data:`CODE_AT_START`) under ``"code"`` unless ``record`` has its own."""
+    record = {"code": CODE_AT_START, **record}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(record, separators=(",", ":")) + "\n")

@@ -220,7 +220,11 @@ def pair_means(matrices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Ten
 
 
 def statistics(own: torch.Tensor, cross: torch.Tensor, reference: tuple[int, int], weights) -> dict:
-    """SNR, cosine, scale and relative bias for every (estimator, N), one row per weight vector: [S, E, N]."""
+    """SNR, cosine, scale, relative bias, directional SNR∥ and MSE against ∇J = E g_ref for every (estimator, N),
+    one row per weight vector: [S, E, N]. ``SNR∥ = ρ² / (1 − ρ²)``, ``ρ² = ⟨E g, ∇J⟩² / (‖∇J‖² E‖g‖²)``: scale-free,
+    equal to SNR when E g is a positive multiple of ∇J, lower by direction error; ``MSE = E‖g − ∇J‖²`` =
+    ``E‖g‖² − 2⟨E g, ∇J⟩ + ‖∇J‖²`` (unbiased: each term is a mean over batches or pairs of different batches).
+    ``ref_noise`` is tr Cov(g_ref) / R over ‖∇J‖², the relative noise of ∇J's estimate by the mean of R batches."""
     signal, power = pair_means(own, weights)  # ||E g||² (unbiased), E ||g||²
     inner, _ = pair_means(cross, weights)  # <E g, g_ref>
     ref_signal = signal[:, reference[0], reference[1]][:, None, None]
@@ -228,7 +232,15 @@ def statistics(own: torch.Tensor, cross: torch.Tensor, reference: tuple[int, int
     both = signal * ref_signal
     cosine = torch.where(both > 0, inner / both.clamp(min=1e-300).sqrt(), math.nan).clamp(-1, 1)
     bias_sq = (signal - 2 * inner + ref_signal) / ref_signal
+    rho_sq = torch.where(inner > 0, inner.square() / (ref_signal * power).clamp(min=1e-300), 0.0)
+    mse = power - 2 * inner + ref_signal
+    replicates = own.shape[-1]
     return {
+        "rho_sq": rho_sq,
+        "snr_par": torch.where(rho_sq < 1, rho_sq / (1 - rho_sq).clamp(min=1e-300), math.inf),
+        "mse": mse,
+        "mse_rel": mse / ref_signal,
+        "ref_noise": noise[:, reference[0], reference[1]] / replicates / ref_signal[:, 0, 0],
         "snr": signal / noise,
         "signal": signal,
         "noise": noise,
@@ -273,8 +285,9 @@ def summarize(grads: torch.Tensor, plan: Plan) -> dict:
     point = statistics(own, cross, reference, torch.ones(1, r, dtype=torch.float64))
     boot = statistics(own, cross, reference, weights)
     for stats in (point, boot):
-        goal = stats["snr"][:, target[0], target[1]]
-        stats["n_star"] = torch.stack([crossing(stats["snr"][:, e], goal, sizes) for e in range(len(names))], 1)
+        for key, snr in (("n_star", "snr"), ("n_star_par", "snr_par")):
+            goal = stats[snr][:, target[0], target[1]]
+            stats[key] = torch.stack([crossing(stats[snr][:, e], goal, sizes) for e in range(len(names))], 1)
     return {"point": {k: v[0] for k, v in point.items()}, "boot": boot}
 
 
@@ -339,10 +352,11 @@ def matrix_table(result: dict, key: str, sizes, digits: int = 3) -> list[str]:
     return lines
 
 
-def n_star_text(result: dict, e: int, sizes) -> str:
-    """The N at which estimator ``e`` reaches TARGET's SNR: point, bootstrap interval and median."""
-    point = float(result["point"]["n_star"][e])
-    draws = result["boot"]["n_star"][:, e]
+def n_star_text(result: dict, e: int, sizes, key: str = "n_star") -> str:
+    """The N at which estimator ``e`` reaches TARGET's SNR (``key`` "n_star_par": its SNR∥): point, bootstrap
+    interval and median."""
+    point = float(result["point"][key][e])
+    draws = result["boot"][key][:, e]
     levels = torch.tensor([(1 - LEVEL) / 2, 0.5, (1 + LEVEL) / 2], dtype=draws.dtype)
     low, median, high = torch.nanquantile(draws, levels, interpolation="nearest")
     below = "<=" if point <= sizes[0] else ""
@@ -350,12 +364,15 @@ def n_star_text(result: dict, e: int, sizes) -> str:
     return f"{never} [{_number(float(low))}, {_number(float(high))}], median {_number(float(median))}"
 
 
-def headline(results: dict, plan: Plan) -> list[str]:
-    """Per snapshot and estimator: the N reaching GRPO's SNR at N=32, and the generated tokens that saves."""
+def headline(results: dict, plan: Plan, key: str = "n_star") -> list[str]:
+    """Per snapshot and estimator: the N reaching GRPO's SNR (``key`` "n_star_par": SNR∥) at N=32, and the
+    generated tokens that saves."""
     sizes, names = list(plan.group_sizes), list(ESTIMATORS)
     target_n = min(TARGET[1], max(sizes))
+    measure = "SNR∥" if key == "n_star_par" else "SNR"
     lines = [
-        f"N at which each estimator's SNR reaches {TARGET[0]}'s SNR at N = {target_n} (interpolated linearly in "
+        f"N at which each estimator's {measure} reaches {TARGET[0]}'s {measure} at N = {target_n} (interpolated "
+        "linearly in "
         f"log2 N; `<={sizes[0]}`: already at N = {sizes[0]}; `> {sizes[-1]}`: never on the grid); point estimate, "
         f"{LEVEL:.0%} bootstrap interval over the R batches and bootstrap median. Tokens saved = 1 − N*/{target_n} "
         "(every estimator uses the same samples, so tokens per batch are proportional to N).",
@@ -366,9 +383,9 @@ def headline(results: dict, plan: Plan) -> list[str]:
     for e, name in enumerate(names):
         cells = []
         for result in results.values():
-            point = float(result["point"]["n_star"][e])
+            point = float(result["point"][key][e])
             saving = f"; saves {1 - point / target_n:.0%}" if math.isfinite(point) else ""
-            cells.append(n_star_text(result, e, sizes) + saving)
+            cells.append(n_star_text(result, e, sizes, key) + saving)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -534,7 +551,11 @@ def snapshot_sections(results: dict, plan: Plan) -> list[str]:
         sections += matrix_table(result, "snr", plan.group_sizes) + ["", "cos(E g, g_ref):", ""]
         sections += matrix_table(result, "cosine", plan.group_sizes) + ["", "scale <E g, g_ref>/||g_ref||²:", ""]
         sections += matrix_table(result, "scale", plan.group_sizes) + ["", "rel. bias ||E g − g_ref||/||g_ref||:", ""]
-        sections += matrix_table(result, "bias", plan.group_sizes) + [""]
+        sections += matrix_table(result, "bias", plan.group_sizes) + ["", "directional SNR∥ = ρ²/(1 − ρ²):", ""]
+        sections += matrix_table(result, "snr_par", plan.group_sizes) + ["", "MSE E‖g − g_ref‖² / ‖g_ref‖²:", ""]
+        sections += matrix_table(result, "mse_rel", plan.group_sizes)
+        ref_noise = float(result["point"]["ref_noise"])
+        sections += ["", f"Noise of g_ref's estimate: tr Cov(g_ref) / R / ‖g_ref‖² = {_number(ref_noise)}.", ""]
     return sections
 
 
@@ -575,6 +596,11 @@ def main(argv: list[str] | None = None) -> dict:
         *verdict(results, plan),
         "",
         *headline(results, plan),
+        "",
+        "The same on the directional SNR∥ = ρ²/(1 − ρ²), ρ² = ⟨E g, ∇J⟩² / (‖∇J‖² E‖g‖²) with ∇J = g_ref: equal to "
+        "SNR when E g is a positive multiple of ∇J, lower by the direction error (issue 38):",
+        "",
+        *headline(results, plan, "n_star_par"),
         "",
         f"SNR relative to {TARGET[0]}'s at the same N (the same batches), point [{LEVEL:.0%} bootstrap interval]:",
         "",

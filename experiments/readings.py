@@ -53,11 +53,7 @@ def permutation_p(first: list[float], second: list[float]) -> float:
     return extreme / len(splits)
 
 
-def sign_flip_p(diffs: list[float]) -> float:
-    """Exact two-sided sign-flip permutation p of the mean of paired differences."""
-    observed = abs(sum(diffs))
-    flips = list(itertools.product((1, -1), repeat=len(diffs)))
-    return sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips) / len(flips)
+sign_flip_p = variance_lr.sign_flip_p  # exact two-sided sign-flip permutation p of the mean of paired differences
 
 
 def variance_lr_readings(records_dir: Path) -> dict:
@@ -94,6 +90,37 @@ def variance_lr_readings(records_dir: Path) -> dict:
             "equal_rate_selection_seeds": equal_rate,
         }
     return out
+
+
+def pilot_ratios(pilot_dir: Path, snr_gap_file: Path) -> dict:
+    """The pilot's SNR ratios at N = 4 per pilot seed (8 prompts each): include-self OTB over RLOO and over GRPO,
+    and the contrast otb_loo / rloo as the pilot reports it (ratio of the seed means) beside the same contrast in
+    snr_gap's 16-prompt record at 16-24 digits."""
+    records = [json.loads(p.read_text()) for p in sorted(pilot_dir.glob("snr_seed*.json"))]
+    k = records[0]["group_sizes"].index(4)
+
+    def snr(record: dict, name: str) -> float:
+        return record["snr"][record["estimators"].index(name)][k]
+
+    gap = json.loads(snr_gap_file.read_text())
+    g = gap["group_sizes"].index(4)
+    gap_snr = {name: gap["snr"][gap["estimators"].index(name)][g] for name in ("otb_loo", "rloo")}
+    return {
+        "otb_over_rloo": [snr(r, "otb") / snr(r, "rloo") for r in records],
+        "otb_over_grpo": [snr(r, "otb") / snr(r, "grpo") for r in records],
+        "contrast_pilot": variance_lr_pilot.contrasts(records)[4],
+        "pilot_prompts": records[0]["prompts"], "pilot_seeds": len(records),
+        "contrast_snr_gap": gap_snr["otb_loo"] / gap_snr["rloo"], "snr_gap_prompts": gap["prompts"],
+    }  # fmt: skip
+
+
+def variance_lr_dependence(records_dir: Path) -> dict:
+    """variance_lr.dependence on the committed records, with JSON keys (issue 38)."""
+    dep = variance_lr.dependence(variance_lr.cells(variance_lr_pilot.load_runs(records_dir)))
+    dep["windows"] = {
+        f"{n} {lr:g}": {f"{a}-{b}": r for (a, b), r in ws.items()} for (n, lr), ws in dep["windows"].items()
+    }
+    return dep
 
 
 def _kls(rows: list[dict]) -> list[float]:
@@ -247,6 +274,8 @@ def readings(results: Path = RESULTS) -> dict:
         "reproduction": reproduction_readings(reproduction.load_records(results / "reproduction")),
         "parameters": parameter_counts(),
         "variance_lr": variance_lr_readings(results / "variance_lr"),
+        "variance_lr_dependence": variance_lr_dependence(results / "variance_lr"),
+        "variance_lr_pilot": pilot_ratios(results / "variance_lr_pilot", results / "snr_gap" / "copy16_24.json"),
     }
 
 
@@ -261,6 +290,7 @@ def _span(values: list[float]) -> str:
 def report(data: dict) -> list[str]:
     """The readings as short tables (every number also in readings.json)."""
     long, short, repro = data["stability_long"], data["stability"], data["reproduction"]
+    pilot = data["variance_lr_pilot"]
     ratio = long["kl_ratio_otb_to_grpo"]
     own, shared = long["spikes_own_median_totals"], long["spikes_shared_threshold_totals"]
     lines = [
@@ -346,6 +376,17 @@ def report(data: dict) -> list[str]:
             for n, v in data["variance_lr"].items()
             for lr, e in v["equal_rate_selection_seeds"].items()
         ],
+        "",
+        "What each output hangs on (collapses, the selection without a lone collapse, equal-rate pairs, update-size "
+        "ratios per window): the section of [variance_lr.md](variance_lr.md) of that name, numbers also under "
+        "`variance_lr_dependence` in readings.json.",
+        "",
+        f"Pilot (records in `variance_lr_pilot/`, {pilot['pilot_seeds']} seeds x {pilot['pilot_prompts']} prompts), "
+        f"SNR ratios at N = 4 per seed: include-self OTB / RLOO {_list(pilot['otb_over_rloo'], '.1f')}; include-self "
+        f"OTB / GRPO {_list(pilot['otb_over_grpo'], '.1f')}. Contrast otb_loo / rloo at N = 4: "
+        f"{pilot['contrast_pilot']:.2f} (ratio of the seed means) in the pilot, {pilot['contrast_snr_gap']:.2f} in "
+        f"`snr_gap/copy16_24.json` ({pilot['snr_gap_prompts']} prompts; the pilot's label threshold is "
+        f"{variance_lr_pilot.CONTRAST}).",
         "",
         "## run time (summed over each experiment's per-run records)",
         "",

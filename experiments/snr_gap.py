@@ -97,6 +97,43 @@ def batch_gradients(lm, sample, sizes) -> torch.Tensor:
     return out
 
 
+def _quantiles(draws: torch.Tensor, levels: torch.Tensor) -> list:
+    """[low, high] of each column of draws [S, ...] (NaN draws dropped; inf kept), as nested lists."""
+    return torch.nanquantile(draws.double(), levels, dim=0).movedim(0, -1).tolist()
+
+
+def directional_statistics(grads: torch.Tensor, sizes, bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Issue 38: against ∇J = RLOO's E g at the largest N (unbiased pair statistics on the same batches, as in
+    experiments/gradient_variance.py): the directional SNR∥ = ρ²/(1 − ρ²), the MSE E‖g − ∇J‖² / ‖∇J‖², the cosine,
+    each [E, N] with a 90% bootstrap interval over the batches; N*∥, the N at which otb's SNR∥ reaches grpo's at
+    the largest N; and the noise of ∇J's estimate (tr Cov / R / ‖∇J‖²)."""
+    names, r = list(ESTIMATORS), len(grads)
+    reference = (names.index("rloo"), len(sizes) - 1)
+    own, cross = gradient_variance.gram_matrices(grads, reference)
+    draws = torch.randint(r, (bootstrap, r), generator=torch.Generator().manual_seed(seed))
+    weights = torch.zeros(bootstrap, r, dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(bootstrap, r, dtype=torch.float64)
+    )
+    point = gradient_variance.statistics(own, cross, reference, torch.ones(1, r, dtype=torch.float64))
+    boot = gradient_variance.statistics(own, cross, reference, weights)
+    levels = torch.tensor([0.05, 0.95], dtype=torch.float64)
+    out = {}
+    for key in ("snr_par", "mse_rel", "cosine"):
+        out[key], out[f"{key}_90"] = point[key][0].tolist(), _quantiles(boot[key], levels)
+    grpo, otb = names.index("grpo"), names.index("otb")
+
+    def n_star(snr):  # [S, E, N] -> [S]
+        return gradient_variance.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
+
+    boot_star = n_star(boot["snr_par"])
+    finite = boot_star[boot_star.isfinite()]
+    out["n_star_par"] = float(n_star(point["snr_par"])[0])
+    out["n_star_par_90"] = torch.quantile(finite, levels).tolist() if len(finite) else [math.nan, math.nan]
+    out["n_star_par_never"] = float((~boot_star.isfinite()).double().mean())
+    out["reference_noise"] = float(point["ref_noise"][0])
+    return out
+
+
 def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes, reward: str) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +169,7 @@ def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes
         "otb_over_grpo_90": ratio_interval, "n_star": float(point), "n_star_90": interval,
         "n_star_never": float((~boot.isfinite()).double().mean()), "mean_reward": sum(rewards) / len(rewards),
         "seconds": round(time.perf_counter() - started), "machine": machine_name(),
+        **directional_statistics(torch.stack(grads), sizes),
     }  # fmt: skip
     if warm.name != "variance_lr_warm_start" and (warm / "warm_start.json").exists():
         record["warm_start"] = {
@@ -169,7 +207,32 @@ def report(records: list[dict], out_dir: Path, seconds: float) -> Path:
         for e, name in enumerate(r["estimators"]):
             sections.append(f"| {name} | " + " | ".join(f"{v:.3g}" for v in r["snr"][e]) + " |")
         sections.append("")
+    sections += directional_sections(records)
     return write_report("snr_gap", "OTB vs GRPO gradient SNR: task length and warm start", sections, seconds, out_dir)
+
+
+def directional_sections(records: list[dict]) -> list[str]:
+    """SNR∥, MSE and cosine against ∇J per setting (records made before issue 38 have none: said so)."""
+    old = [r["setting"] for r in records if "snr_par" not in r]
+    lines = ["## Against ∇J (issue 38): directional SNR∥, MSE, cosine", ""]
+    if old:
+        lines += [f"Records without these statistics (made before issue 38; rerun to add them): {', '.join(old)}.", ""]
+    for r in (r for r in records if "snr_par" in r):
+        lo, hi = r["n_star_par_90"]
+        lines += [
+            f"**{r['setting']}**: N*∥ (otb's SNR∥ reaches grpo's at N = {r['group_sizes'][-1]}) = "
+            f"{r['n_star_par']:.3g} [{lo:.3g}, {hi:.3g}]; noise of ∇J's estimate (RLOO, N = {r['group_sizes'][-1]}, "
+            f"{r['replicates']} batches): tr Cov / R / ‖∇J‖² = {r['reference_noise']:.3g}.",
+            "",
+            "| estimator | measure | " + " | ".join(f"N={n}" for n in r["group_sizes"]) + " |",
+            "|---|---|" + "---|" * len(r["group_sizes"]),
+        ]
+        for e, name in enumerate(r["estimators"]):
+            for key, label in (("snr_par", "SNR∥"), ("mse_rel", "MSE / ‖∇J‖²"), ("cosine", "cos")):
+                cells = [f"{v:.3g} [{a:.3g}, {b:.3g}]" for v, (a, b) in zip(r[key][e], r[f"{key}_90"][e])]
+                lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> Path:

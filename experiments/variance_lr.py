@@ -47,6 +47,7 @@ reads only those, so a later session resumes where one stopped (``--commit`` com
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -247,6 +248,175 @@ def aim_comparison(by_cell: dict, group_sizes, lrs, seeds, arms=PRIMARY) -> list
     return lines
 
 
+# ----------------------------------------------------------------------------- what each output hangs on (issue 38)
+
+ALPHA = 0.05  # the reading's criterion: a paired comparison is read as a difference only at sign-flip p <= ALPHA
+STABLE_LRS = (1e-4, 3e-4, 1e-3)  # the rates at which most selection runs did not collapse
+WINDOWS = ((1, 150), (11, 150), (11, 50), (51, 150))  # steps (inclusive) over which update sizes are compared
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided sign-flip p of the mean of paired differences: the share of the 2^n sign vectors whose
+    |sum| is at least the observed one."""
+    observed = abs(sum(diffs))
+    flips = list(itertools.product((1, -1), repeat=len(diffs)))
+    return sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips) / len(flips)
+
+
+def fisher_p(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
+    """Exact two-sided Fisher p of a 2 x 2 table (hits of n in each group): the total probability, with the
+    margins fixed, of the tables no more probable than the observed one."""
+    hits, total = hits_a + hits_b, n_a + n_b
+
+    def prob(k: int) -> float:
+        return math.comb(n_a, k) * math.comb(n_b, hits - k) / math.comb(total, hits)
+
+    observed = prob(hits_a)
+    ks = range(max(0, hits - n_b), min(hits, n_a) + 1)
+    return min(1.0, sum(prob(k) for k in ks if prob(k) <= observed * (1 + 1e-9)))
+
+
+def reading(comparisons: dict[int, dict], alpha: float = ALPHA) -> str:
+    """The reading beside the rule's output, with its criterion: at each N the paired test d(M) counts as a
+    difference only where its exact two-sided sign-flip p is at most ``alpha``."""
+    parts, shown = [], []
+    for n, comparison in comparisons.items():
+        if comparison is None or "d_metric" not in comparison:
+            parts.append(f"N = {n}: not decided yet")
+            continue
+        diffs = comparison["d_metric"]["diffs"]
+        p = sign_flip_p(diffs)
+        if p <= alpha:
+            shown.append(f"{'otb_loo' if sum(diffs) > 0 else 'rloo'} better at N = {n}")
+        parts.append(f"N = {n}: sign-flip p = {p:.3f} (n = {len(diffs)}, smallest possible {2 / 2 ** len(diffs):.4f})")
+    word = "; ".join(shown) if shown else "inconclusive"
+    return (
+        f"Reading (criterion: a paired test comparison is read as a difference only at exact two-sided sign-flip "
+        f"p ≤ {alpha}): **{word}**; " + "; ".join(parts) + "."
+    )
+
+
+def window_ratio(by_cell: dict, n: int, lr: float, window: tuple[int, int], seeds, arms=PRIMARY) -> float:
+    """Mean over ``seeds`` of median ‖Δθ‖ over the steps of ``window`` of otb_loo over that of rloo, paired."""
+
+    def median(record: dict) -> float:
+        return statistics.median(
+            r["update_norm"] for r in record["rows"] if window[0] <= r["step"] <= window[1] and r["update_norm"]
+        )
+
+    a, b = by_cell[(arms[1], n, lr)], by_cell[(arms[0], n, lr)]
+    return statistics.mean(median(a[s]) / median(b[s]) for s in seeds)
+
+
+def selection_without_lone_collapses(by_cell: dict, arm: str, n: int, lrs, seeds) -> tuple[float, list]:
+    """The selection rule with each collapsed run dropped from a cell where most of the arm's seeds did not
+    collapse (a lone collapse); (the rate it picks, the dropped runs as (rate, seed, M))."""
+    means, dropped = {}, []
+    for lr in lrs:
+        runs = {s: by_cell[(arm, n, lr)][s] for s in seeds}
+        fallen = [s for s, r in runs.items() if collapsed(r)]
+        kept = [s for s in seeds if s not in fallen] if 2 * len(fallen) < len(seeds) else list(seeds)
+        dropped += [(lr, s, pilot.reward_per_token(runs[s]["rows"])) for s in seeds if s not in kept]
+        means[lr] = round(statistics.mean(pilot.reward_per_token(runs[s]["rows"]) for s in kept), 4)
+    best = max(means.values())
+    return min(lr for lr, value in means.items() if value == best), dropped
+
+
+def _metric(record: dict) -> float:
+    return pilot.reward_per_token(record["rows"])
+
+
+def _test_dependence(by_cell: dict, n: int, chosen: dict, test) -> dict:
+    """The test seeds at the selected rates: d(M) per seed, who collapsed, and the pairs without a collapse."""
+    runs = {arm: by_cell[(arm, n, lr)] for arm, lr in chosen.items()}
+    d = {s: _metric(runs["otb_loo"][s]) - _metric(runs["rloo"][s]) for s in test}
+    fallen = {arm: [s for s in test if collapsed(runs[arm][s])] for arm in PRIMARY}
+    calm = [s for s in test if not any(s in seeds for seeds in fallen.values())]
+    interval = paired({s: _metric(runs["otb_loo"][s]) for s in calm}, {s: _metric(runs["rloo"][s]) for s in calm})
+    return {"d": d, "collapsed": fallen, "calm_seeds": calm, "calm": interval}
+
+
+def dependence(by_cell: dict, lrs=LRS, selection=SELECTION_SEEDS, test=TEST_SEEDS, group_sizes=GROUP_SIZES) -> dict:
+    """What the rule's outputs hang on, recomputed from the records: per N the selection with lone collapses
+    dropped and the test pairs with and without a collapse; collapses at 1e-3 per arm (Fisher); the equal-rate pairs
+    at the stable rates; the update-size ratio otb_loo / rloo per window of steps."""
+    out: dict = {"per_n": {}, "windows": {}}
+    for n in group_sizes:
+        chosen = test_comparison(by_cell, n, lrs, selection, test)["chosen"]
+        alternative = {arm: selection_without_lone_collapses(by_cell, arm, n, lrs, selection) for arm in PRIMARY}
+        out["per_n"][n] = {
+            "chosen": chosen,
+            "chosen_without_lone_collapses": {arm: v[0] for arm, v in alternative.items()},
+            "dropped": {arm: v[1] for arm, v in alternative.items()},
+            "selection_metric_at_1e-3": {
+                arm: {s: _metric(by_cell[(arm, n, 1e-3)][s]) for s in selection} for arm in PRIMARY
+            },  # fmt: skip
+            "test": _test_dependence(by_cell, n, chosen, test),
+        }
+        for lr in STABLE_LRS:
+            out["windows"][(n, lr)] = {w: window_ratio(by_cell, n, lr, w, selection) for w in WINDOWS}
+    at = {arm: [r for n in group_sizes for r in by_cell.get((arm, n, 1e-3), {}).values()] for arm in PRIMARY}
+    hits = {arm: (sum(map(collapsed, runs)), len(runs)) for arm, runs in at.items()}
+    out["collapses_at_1e-3"] = {**hits, "fisher_p": fisher_p(*hits["otb_loo"], *hits["rloo"])}
+    pairs = []  # (N, lr, seed, d, a run of the pair collapsed, test seed)
+    for n in group_sizes:
+        chosen = out["per_n"][n]["chosen"]
+        for lr in STABLE_LRS:
+            seeds = [*selection, *(test if chosen["otb_loo"] == chosen["rloo"] == lr else ())]
+            for s in seeds:
+                a, b = by_cell[("otb_loo", n, lr)][s], by_cell[("rloo", n, lr)][s]
+                pairs.append((n, lr, s, _metric(a) - _metric(b), collapsed(a) or collapsed(b), s in test))
+    out["equal_rate_pairs"] = pairs
+    return out
+
+
+def _count(pairs) -> str:
+    return f"{sum(p[3] > 0 for p in pairs)} of {len(pairs)}"
+
+
+def dependence_lines(dep: dict) -> list[str]:
+    """The report's section on what each output hangs on (issue 38)."""
+    lines = ["## What each output hangs on (read after the runs, issue 38)", ""]
+    for n, v in dep["per_n"].items():
+        t, alt = v["test"], v["chosen_without_lone_collapses"]
+        at = "; ".join(f"{arm} " + ", ".join(f"{m:.3f}" for m in ms.values())
+                       for arm, ms in v["selection_metric_at_1e-3"].items())  # fmt: skip
+        dropped = "; ".join(f"{arm} lr {lr:g} seed {s} (M = {m:.3f})" for arm, runs in v["dropped"].items()
+                            for lr, s, m in runs) or "none"  # fmt: skip
+        lines.append(
+            f"- N = {n}: selected rates " + ", ".join(f"{a} {lr:g}" for a, lr in v["chosen"].items())
+            + f"; with each lone collapsed selection run dropped ({dropped}): "
+            + ", ".join(f"{a} {lr:g}" for a, lr in alt.items()) + f". Selection M at lr 1e-3 (seeds 0-2): {at}. "
+            + "Test d(M) per seed: " + ", ".join(f"{s}: {d:+.3f}" for s, d in t["d"].items())
+            + "; collapsed: " + "; ".join(f"{a} seeds {seeds or 'none'}" for a, seeds in t["collapsed"].items())
+            + f"; the {len(t['calm_seeds'])} pairs without a collapse: {interval_text(t['calm'], 3)}."
+        )  # fmt: skip
+    c = dep["collapses_at_1e-3"]
+    pairs = dep["equal_rate_pairs"]
+    selection_pairs = [p for p in pairs if not p[5]]
+    lines += [
+        f"- Collapses at lr 1e-3 (every seed, both N): otb_loo {c['otb_loo'][0]} of {c['otb_loo'][1]} runs, rloo "
+        f"{c['rloo'][0]} of {c['rloo'][1]}; exact two-sided Fisher p = {c['fisher_p']:.2f}.",
+        f"- Equal-rate pairs at lr {', '.join(f'{lr:g}' for lr in STABLE_LRS)}: otb_loo's M above rloo's in "
+        f"{_count(selection_pairs)} selection pairs, {_count(pairs)} with the test seeds run at one rate by both "
+        f"arms; pairs holding a collapsed run: "
+        + ("; ".join(f"N = {p[0]}, lr {p[1]:g}, seed {p[2]} (d = {p[3]:+.3f})" for p in pairs if p[4]) or "none")
+        + ". Pairs share seeds across N and rates: they are not independent.",
+        "",
+        "Update-size ratio, median ‖Δθ‖ of otb_loo / rloo (mean over seeds 0-2 of the per-seed ratios of medians "
+        "over the steps of each window):",
+        "",
+        "| N | lr | " + " | ".join(f"steps {a}–{b}" for a, b in WINDOWS) + " |",
+        "|---|---|" + "---|" * len(WINDOWS),
+        *[
+            f"| {n} | {lr:g} | " + " | ".join(f"{r:.2f}" for r in ws.values()) + " |"
+            for (n, lr), ws in dep["windows"].items()
+        ],  # fmt: skip
+        "",
+    ]
+    return lines
+
+
 # ----------------------------------------------------------------------------- figure
 
 
@@ -388,6 +558,8 @@ def main(argv: list[str] | None = None) -> Path:
         "",
         verdict(comparisons, contrast, delta),
         "",
+        reading(comparisons),
+        "",
         "## Selected rates",
         "",
     ]
@@ -418,6 +590,8 @@ def main(argv: list[str] | None = None) -> Path:
         *aim_comparison(by_cell, group_sizes, lrs, selection),
         "",
     ]
+    if not args.quick and all("d_metric" in c for c in comparisons.values()):
+        sections += dependence_lines(dependence(by_cell))
     secondary = [k for k in by_cell if k[0] in SECONDARY]
     if secondary:
         sections += [

@@ -319,7 +319,7 @@ class _ChunkedHead(torch.autograd.Function):
         g = grad_log_probs.reshape(-1).to(dtype)  # [N]
         grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if ctx.needs_input_grad[0] else None
         grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        norms = _HeadNorms(*ctx.recorded, hidden, weight.shape[0]) if ctx.recorded else None
+        norms = _HeadNorms(*ctx.recorded, hidden, weight.shape[0], ctx.chunk_size) if ctx.recorded else None
         for chunk in _vocab_chunks(weight.shape[0], ctx.chunk_size):
             z = _chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
             c = z.sub_(logsumexp[:, None]).exp_().mul_(-g[:, None])  # −g π
@@ -341,7 +341,7 @@ class _ChunkedHead(torch.autograd.Function):
 class _HeadNorms:
     """A chunked head call's per-row ``||Σ_t c_t h_tᵀ||²`` and tied embeddings' ``c_t[x_s]``, chunk by chunk."""
 
-    def __init__(self, tape: _Tape, call: _Call, hidden: torch.Tensor, vocab: int):
+    def __init__(self, tape: _Tape, call: _Call, hidden: torch.Tensor, vocab: int, chunk_size: int):
         self.tape, self.call, self.hidden = tape, call, hidden  # hidden [B, T, d]
         rows, positions, width = hidden.shape
         partners = tape.partners(call)
@@ -350,11 +350,8 @@ class _HeadNorms:
                 "lm_head: its weight is used by another call than the input embedding's; lm_head_log_probs "
                 "supports a head tied to the input embedding only"
             )
-        self.ids = {id(e): _ids(e, rows) for e in partners}  # [B, S] each
         dtype = _accumulate_dtype(hidden)
-        self.at_ids = {
-            k: torch.zeros(rows, positions, v.shape[1], dtype=dtype, device=v.device) for k, v in self.ids.items()
-        }
+        self.tied = {id(e): _TiedIds(_ids(e, rows), vocab, chunk_size, positions, dtype) for e in partners}
         self.gram = _use_gram(positions, width, vocab)
         self.cc = torch.zeros(rows, positions, positions, dtype=dtype, device=hidden.device) if self.gram else None
         self.norms = torch.zeros(rows, dtype=torch.float64, device=hidden.device)
@@ -365,15 +362,38 @@ class _HeadNorms:
             self.cc += _bmm(c, c.transpose(1, 2))
         else:  # Σ_chunks ||c_iᵀ h_i||²
             self.norms += _squared_norms(_bmm(c.transpose(1, 2), self.hidden))
-        for key, ids in self.ids.items():
-            local, inside = _in_chunk(ids, chunk)  # [B, S]
-            found = c.gather(2, local[:, None, :].expand(-1, c.shape[1], -1))  # [B, T, S]
-            self.at_ids[key] += found.to(self.at_ids[key].dtype) * inside[:, None, :]
+        for tied in self.tied.values():
+            tied.take(c, chunk)
 
     def book(self) -> None:
         if self.gram:  # Σ_{s,t} (h_s·h_t)(c_s·c_t)
             self.norms = (_bmm(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(dim=(1, 2), dtype=torch.float64)
-        self.tape.book(self.call, [self.norms], self.at_ids)
+        self.tape.book(self.call, [self.norms], {key: tied.at_ids() for key, tied in self.tied.items()})
+
+
+class _TiedIds:
+    """``c_t[x_s]`` [B, T, S] of an embedding call's ids ``x`` [B, S], filled chunk by chunk: each chunk of the
+    vocabulary reads only the (row, slot) pairs whose id lies in it. The ids are sorted once and every chunk's range
+    in that order read to the host once, so the chunks together read ``B·S·T`` values (not ``B·T·S`` per chunk)."""
+
+    def __init__(self, ids: torch.Tensor, vocab: int, chunk_size: int, positions: int, dtype: torch.dtype):
+        self.rows, self.slots, self.chunk_size = *ids.shape, chunk_size
+        self.sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)  # [B·S]
+        self.order, self.row_of, self.slot_of = order, order // self.slots, order % self.slots
+        starts = torch.arange(0, vocab, chunk_size, device=ids.device)
+        self.bounds = torch.searchsorted(self.sorted_ids, starts).tolist() + [ids.numel()]  # one host read
+        self.found = torch.zeros(ids.numel(), positions, dtype=dtype, device=ids.device)  # [B·S, T]: c_t[x_s]
+
+    def take(self, c: torch.Tensor, chunk: slice) -> None:
+        """``c`` [B, T, c]: the logit gradients at vocabulary rows ``chunk`` (a chunk of ``_vocab_chunks``)."""
+        k = chunk.start // self.chunk_size
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        if hi > lo:
+            local = self.sorted_ids[lo:hi] - chunk.start
+            self.found[self.order[lo:hi]] = c[self.row_of[lo:hi], :, local].to(self.found.dtype)  # [K, T]
+
+    def at_ids(self) -> torch.Tensor:
+        return self.found.view(self.rows, self.slots, -1).transpose(1, 2)  # [B, T, S]
 
 
 # --------------------------------------------------------------------------- per-call records

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,10 +35,33 @@ def test_train_step_benchmark_quick_on_cpu():
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r for r in records if "error" in r] == []
-    assert [r["bench"] for r in records] == ["torchrun", "generation", "generation", "train_step", "train_step"]
+    assert [r["bench"] for r in records] == ["torchrun"] + ["generation"] * 4 + ["train_step", "train_step"]
     assert records[0]["steps"] == 3 and records[0]["backend"] == "gloo"
     for record in records[1:]:
         assert record["static_decode"] is False  # CPU: the model's own forward by default
-    assert all(r["truncated_fraction"] == 1.0 for r in records[1:3])
+    generation = [r for r in records if r["bench"] == "generation"]
+    assert [(r["case"], r["eos_reachable"]) for r in generation] == [
+        ("built_in_v64", False),
+        ("built_in_v64", False),
+        ("qwen05b_eos_reachable", True),
+        ("qwen05b_eos_reachable", True),
+    ]
+    assert all(r["truncated_fraction"] == 1.0 for r in generation[:2])
     step = records[-1]
     assert set(step["seconds"]) == {"rollout", "logprobs", "advantages", "update"} and step["mfu"] >= 0
+
+
+def test_reach_eos_gives_the_eos_probability_asked_for():
+    """The EOS row scaled by bisection: the calibration prompts' mean EOS probability is the target, and fresh random
+    prompts (same model) give the same order of magnitude: responses end at mixed lengths."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_train_step import reach_eos
+    from tiny_models import tiny_causal_lm
+
+    lm = tiny_causal_lm("qwen2", 0, vocab_size=300, hidden_size=32, intermediate_size=64, tie_word_embeddings=True)
+    reached = reach_eos(lm, eos_id=7, probability=0.02)
+    assert abs(reached - 0.02) < 1e-4
+    ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fresh = lm(ids).logits.softmax(-1)[..., 7].mean().item()
+    assert 0.02 / 3 < fresh < 0.02 * 3

@@ -128,6 +128,40 @@ def test_pair_statistics_identities():
         assert signal[0, 0] / (power[0, 0] - signal[0, 0]) >= -1 / r - 1e-12
 
 
+def _directional(grads: torch.Tensor) -> dict:
+    """gv.statistics of grads [R, E, 1, P] with estimator 0 the reference, on the sample itself."""
+    own, cross = gv.gram_matrices(grads, (0, 0))
+    stats = gv.statistics(own, cross, (0, 0), torch.ones(1, len(grads), dtype=torch.float64))
+    return {k: v[0] for k, v in stats.items()}
+
+
+def test_directional_snr_charges_direction_only_and_mse_is_unbiased():
+    """SNR∥ equals SNR for a positive multiple of the reference (a shrunk estimator keeps it); a mean turned away
+    from ∇J keeps a high SNR but loses SNR∥; the MSE is E‖g‖² − 2⟨E g, ∇J⟩ + ‖∇J‖² from the pair statistics."""
+    generator = torch.Generator().manual_seed(0)
+    r, p = 12, 40
+    truth = torch.zeros(p, dtype=torch.float64)
+    truth[0] = 1.0
+    ref = truth + 0.5 * torch.randn(r, p, dtype=torch.float64, generator=generator)
+    turned = ref + 3.0 * torch.eye(p, dtype=torch.float64)[1]  # mean (1, 3, 0, ...): same noise, a large side
+    grads = torch.stack([ref, 0.3 * ref, turned], dim=1)[:, :, None]  # [R, E, 1, P]
+    stats = _directional(grads)
+    assert stats["snr_par"][1, 0] == pytest.approx(float(stats["snr"][1, 0]))
+    assert stats["snr_par"][0, 0] == pytest.approx(float(stats["snr"][0, 0]))
+    assert stats["snr"][2, 0] > 5 * stats["snr"][0, 0] and stats["snr_par"][2, 0] < stats["snr"][0, 0]
+    assert stats["cosine"][2, 0] == pytest.approx(1 / math.sqrt(10), abs=0.15)
+    off = ~torch.eye(r, dtype=torch.bool)
+    for e in range(3):
+        g = grads[:, e, 0]
+        power = (g * g).sum(dim=1).mean()
+        inner = (g @ ref.T)[off].mean()
+        ref_signal = (ref @ ref.T)[off].mean()
+        assert stats["mse"][e, 0] == pytest.approx(float(power - 2 * inner + ref_signal))
+        assert stats["mse_rel"][e, 0] == pytest.approx(float((power - 2 * inner + ref_signal) / ref_signal))
+    assert stats["mse"][0, 0] == pytest.approx(0.25 * p, rel=0.2)  # the reference's own noise, tr Cov
+    assert stats["ref_noise"] == pytest.approx(float(stats["noise"][0, 0] / r / stats["signal"][0, 0]))
+
+
 def test_crossing():
     """Linear in log2 N between grid points; the smallest N when already there; inf when never."""
     snr = torch.tensor([[1.0, 2.0, 4.0], [5.0, 6.0, 7.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
@@ -152,8 +186,9 @@ def test_quick_run_writes_the_report(tmp_path, snapshots_dir):
             torch.tensor(snr["point"], dtype=torch.float64), result["point"]["snr"].double(), rtol=1e-5, atol=0
         )
     shape = (len(gv.ESTIMATORS), len(gv.QUICK.group_sizes))
-    for name in gv.ESTIMATORS:  # a row in the headline table, and in the 4 tables of every snapshot
-        assert sum(line.startswith(f"| {name} |") for line in report.splitlines()) == 1 + 4 * len(results)
+    for name in gv.ESTIMATORS:  # a row in the 2 headline tables (SNR, SNR∥), and in the 6 tables of every snapshot
+        assert sum(line.startswith(f"| {name} |") for line in report.splitlines()) == 2 + 6 * len(results)
+    assert "directional SNR∥" in report and "Noise of g_ref's estimate" in report
     for result in results.values():
         point = result["point"]
         assert point["snr"].shape == shape and result["boot"]["snr"].shape == (gv.QUICK.bootstrap, *shape)

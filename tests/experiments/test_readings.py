@@ -117,3 +117,96 @@ def test_the_docs_quote_the_readings(fresh):
 def test_no_stale_parameter_count_or_ratio(path):
     text = (ROOT / path).read_text()
     assert not [stale for stale in ("0.1–0.4M", "~125k", "about half of GRPO") if stale in text]
+
+
+# ----------------------------------------------------------------------------- issue 38: the numbers quoted, parsed
+
+SIGNED = r"[+−-]?\d+\.\d+"
+
+
+def _section(text: str, start: str, end: str) -> str:
+    return text[text.index(start) : text.index(end, text.index(start))]
+
+
+def _variance_lr_texts() -> dict[str, str]:
+    row = next(line for line in RESULTS_MD.splitlines() if line.startswith("| Lower variance itself buys"))
+    return {
+        "RESULTS.md": row + _section(RESULTS_MD, "- **Variance at each estimator's best", "- **Stability where"),
+        "README.md": _section(README, "- **Variance vs step size**", "- **Speed**"),
+    }
+
+
+def _signed(value: float, digits: int) -> set[str]:
+    """The ways a doc may write ``value``: with or without its sign, ASCII or typographic minus."""
+    text = f"{value:+.{digits}f}"
+    return {text, text.replace("-", "−"), text.lstrip("+"), text.lstrip("+-")}
+
+
+def _recomputed(fresh) -> dict[str, set[str]]:
+    """Every number the variance_lr passages may quote, by kind, from the records (through readings.py)."""
+    v, dep = fresh["variance_lr"], fresh["variance_lr_dependence"]
+    three, p_values, counts = set(), {"0.05", "0.0625", "0.25"}, set()
+    for n in ("4", "16"):
+        three |= {x for d in v[n]["d_metric"] for x in _signed(d, 3)}
+        three |= {x for d in v[n]["d_metric_interval"] for x in _signed(d, 3)}
+        p_values.add(f"{v[n]['sign_flip_p']:.3f}")
+        test = dep["per_n"][n]["test"]
+        three |= {x for key in ("mean", "low", "high") for x in _signed(test["calm"][key], 3)}
+        three |= {x for ms in dep["per_n"][n]["selection_metric_at_1e-3"].values() for m in ms.values()
+                  for x in _signed(m, 3)}  # fmt: skip
+        for sign in (1, -1):
+            k = sum(sign * d >= 0.0104 for d in v[n]["d_metric"])
+            counts.add(f"{k} of {len(v[n]['d_metric'])}")
+    collapses = dep["collapses_at_1e-3"]
+    p_values.add(f"{collapses['fisher_p']:.2f}")
+    counts |= {f"{collapses[arm][0]} of {collapses[arm][1]}" for arm in ("otb_loo", "rloo")}
+    pairs = dep["equal_rate_pairs"]
+    selection = [p for p in pairs if not p[5]]
+    counts |= {f"{sum(p[3] > 0 for p in ps)} of {len(ps)}" for ps in (selection, pairs)}
+    three |= {x for p in pairs if p[4] for x in _signed(p[3], 3)}
+    return {"three": three, "p": p_values, "counts": counts}
+
+
+def test_variance_lr_numbers_quoted_are_recomputed_from_the_records(fresh):
+    """Every 3-decimal number, p value and "k of n" count of the variance_lr passages of RESULTS.md and the README
+    is one recomputed from the committed records (stale or hand-made numbers fail); the key ones are present."""
+    allowed = _recomputed(fresh)
+    for name, text in _variance_lr_texts().items():
+        numbers = re.findall(r"(?<![\d.])[+−-]?\d\.\d{3}(?![\d×])", text)
+        assert not [x for x in numbers if x not in allowed["three"] | allowed["p"]], name
+        p_values = re.findall(r"p (?:=|≤) (\d\.\d+)", text)
+        assert p_values and not [x for x in p_values if x not in allowed["p"]], name
+        counts = re.findall(r"\b(\d+ of \d+)\b", text)
+        assert not [x for x in counts if x not in allowed["counts"]], name
+    dep = fresh["variance_lr_dependence"]
+    results = _variance_lr_texts()["RESULTS.md"]
+    for quoted in ("−0.007", "+0.160 [+0.152, +0.167]", "M = 0.183", "p = 0.27", "18 of 18", "22 of 23", "1 of 16"):
+        assert quoted in results
+    assert f"{dep['per_n']['16']['test']['calm']['mean']:+.3f}".replace("-", "−") == "−0.007"
+    assert dep["per_n"]["4"]["chosen_without_lone_collapses"] == {"rloo": 0.001, "otb_loo": 0.001}
+    assert dep["per_n"]["4"]["chosen"] == {"rloo": 0.0003, "otb_loo": 0.001}
+    assert dep["per_n"]["16"]["test"]["collapsed"] == {"rloo": [5, 7], "otb_loo": []}
+
+
+def test_update_size_ratio_table_is_the_records(fresh):
+    """The per-window table of RESULTS.md, parsed row by row, against the ratios recomputed from the records."""
+    windows = fresh["variance_lr_dependence"]["windows"]
+    rows = re.findall(r"^ *\| (4|16) \| (1e-4|3e-4|1e-3) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                      RESULTS_MD, flags=re.M)  # fmt: skip
+    assert len(rows) == 6
+    for n, lr, *quoted in rows:
+        values = windows[f"{n} {float(lr):g}"]
+        assert quoted == [f"{values[w]:.2f}" for w in ("1-150", "11-150", "11-50", "51-150")]
+
+
+def test_pilot_and_stability_numbers_quoted(fresh):
+    pilot, short = fresh["variance_lr_pilot"], fresh["stability"]
+    for key in ("otb_over_grpo", "otb_over_rloo"):
+        values = pilot[key]
+        assert f"{min(values):.1f}–{max(values):.1f}×" in RESULTS_MD
+    assert f"{pilot['contrast_pilot']:.2f} at\n  N = 4 as a ratio of seed means" in RESULTS_MD
+    assert f"but {pilot['contrast_snr_gap']:.2f}, below the 1.5 label" in RESULTS_MD
+    assert pilot["contrast_snr_gap"] < 1.5 <= pilot["contrast_pilot"]
+    steps = short["zero_reward_from_step"]
+    quoted = f"steps {', '.join(map(str, steps['otb_n32']))} against {', '.join(map(str, steps['otb_n8']))}"
+    assert quoted in RESULTS_MD.replace("\n    ", " ")

@@ -18,6 +18,12 @@ def test_snr_gap_quick_records_resumes_and_reports(tmp_path):
     assert record["estimators"] == list(snr_gap.ESTIMATORS) and record["group_sizes"] == [2, 4]
     assert all(len(row) == 2 and all(math.isfinite(v) for v in row) for row in record["snr"])
     assert "| quick |" in report.read_text()
+    rloo, top = record["estimators"].index("rloo"), len(record["group_sizes"]) - 1
+    assert record["cosine"][rloo][top] == 1.0  # ∇J is RLOO's mean at the largest N
+    assert record["mse_rel"][rloo][top] >= 0 and all(len(row) == 2 for row in record["snr_par"])
+    assert all(lo <= hi for row in record["cosine_90"] for lo, hi in row)
+    assert "n_star_par" in record and record["reference_noise"] >= 0
+    assert "**quick**: N*∥" in report.read_text() and "| otb | SNR∥ |" in report.read_text()
     stamp = (out / "snr_gap" / "quick.json").stat().st_mtime_ns
     snr_gap.main(["--quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out)])
     assert (out / "snr_gap" / "quick.json").stat().st_mtime_ns == stamp

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
@@ -81,3 +83,44 @@ def test_decision_rule_comes_out_either_way():
     assert variance_lr.decide([0.1, 0.1, 0.1], delta) == "not decided yet"
     no_contrast = variance_lr.verdict({4: verdict([0.6] * 5, [0.5] * 5)[1]}, {4: 1.2}, delta)
     assert "no variance contrast: not read as a test" in no_contrast
+
+
+def test_fisher_and_two_sided_sign_flip_are_exact():
+    assert variance_lr.fisher_p(3, 3, 0, 3) == pytest.approx(0.1)  # tables k = 3 and k = 0, 1/20 each
+    assert variance_lr.fisher_p(1, 3, 2, 3) == pytest.approx(1.0)
+    assert variance_lr.fisher_p(1, 16, 3, 11) == pytest.approx(variance_lr.fisher_p(3, 11, 1, 16))
+    assert variance_lr.sign_flip_p([1.0] * 5) == pytest.approx(2 / 32)
+    assert variance_lr.sign_flip_p([1.0, -1.0]) == 1.0
+
+
+def test_reading_states_its_criterion_and_comes_out_either_way():
+    five = {4: {"d_metric": {"diffs": [0.1] * 5}}}
+    assert "**inconclusive**" in variance_lr.reading(five) and "p ≤ 0.05" in variance_lr.reading(five)
+    six = {4: {"d_metric": {"diffs": [0.1] * 6}}, 16: {"d_metric": {"diffs": [-0.1] * 6}}}
+    assert "**otb_loo better at N = 4; rloo better at N = 16**" in variance_lr.reading(six)
+
+
+def test_selection_without_a_lone_collapse_and_window_ratios():
+    """One collapsed seed of three is dropped (its cell's mean is then the others'); two of three are not."""
+    runs = [_record("rloo", 4, 3e-4, s, 0.6) for s in (0, 1, 2)]
+    runs += [_record("rloo", 4, 1e-3, s, 0.7) for s in (0, 2)]
+    lone = _record("rloo", 4, 1e-3, 1, 0.7)
+    for row in lone["rows"][5:]:
+        row["reward_mean"] = 0.0  # collapsed: its final reward below half its start
+    runs.append(lone)
+    by_cell = variance_lr.cells(runs)
+    assert variance_lr.select(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2)) == 3e-4
+    rate, dropped = variance_lr.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2))
+    assert rate == 1e-3 and dropped == [(1e-3, 1, pytest.approx(0.35))]
+    for s in (0, 2):
+        for row in by_cell[("rloo", 4, 1e-3)][s]["rows"][5:]:
+            row["reward_mean"] = 0.0
+    assert variance_lr.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2)) == (3e-4, [])
+    for s in (0, 1, 2):
+        by_cell[("otb_loo", 4, 3e-4)] = by_cell.get(("otb_loo", 4, 3e-4), {})
+        record = _record("otb_loo", 4, 3e-4, s, 0.5)
+        for row in record["rows"]:
+            row["update_norm"] = 0.02 if row["step"] <= 5 else 0.03
+        by_cell[("otb_loo", 4, 3e-4)][s] = record
+    assert variance_lr.window_ratio(by_cell, 4, 3e-4, (1, 5), (0, 1, 2)) == pytest.approx(2.0)
+    assert variance_lr.window_ratio(by_cell, 4, 3e-4, (6, 10), (0, 1, 2)) == pytest.approx(3.0)

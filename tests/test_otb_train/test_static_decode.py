@@ -134,7 +134,10 @@ print("ok")
 
 
 def test_triton_attention_matches_sdpa_in_the_interpreter():
-    """The Triton kernel, run by Triton's CPU interpreter, equals SDPA (odd group and head sizes included)."""
+    """The Triton kernel, run by Triton's CPU interpreter, equals SDPA (odd group and head sizes included). CI installs
+    triton (.ci/run), so there a missing triton fails instead of skipping."""
+    if os.environ.get("CI"):
+        import triton  # noqa: F401
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}

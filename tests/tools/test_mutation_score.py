@@ -121,7 +121,7 @@ def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
     records += [_record("left out", "x")]
     same = {**_record("survived", "s1"), "reason": "why"}
     (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
-    assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 1 | 85.7 |"
+    assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 0 | 0 | 1 | 0 | 85.7 | 85.7 |"
 
 
 def test_an_equivalent_with_a_line_covers_that_line_only(tmp_path):
@@ -129,7 +129,7 @@ def test_an_equivalent_with_a_line_covers_that_line_only(tmp_path):
     records = [_record("survived", "s", line=3), _record("survived", "s", line=9)]
     same = {**_record("survived", "s"), "line": 9, "reason": "why"}
     (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
-    assert row == "| `otb_ref/proxy.py` | 2 | 0 | 1 | 1 | 0.0 |"
+    assert row == "| `otb_ref/proxy.py` | 2 | 0 | 1 | 0 | 0 | 1 | 0 | 0.0 | 0.0 |"
 
 
 def test_docs_show_the_committed_results_table():
