@@ -96,7 +96,9 @@ def query(theorems: list[tuple[str, str]], defs: list[tuple[str, str]]) -> dict[
             lines.append(f'Redirect "{tmp}/{name}.def" Print {module}.{name}.')
         script = Path(tmp) / "Statements.v"
         script.write_text("\n".join(lines) + "\n")
-        subprocess.run(["coqc", *COQ_FLAGS, str(script)], cwd=HERE, check=True, capture_output=True, text=True)
+        run = subprocess.run(["coqc", *COQ_FLAGS, str(script)], cwd=HERE, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"coqc failed (build first: make -C proofs/coq):\n{run.stdout}{run.stderr}")
         printed = {
             name: ((Path(tmp) / f"{name}.stmt.out").read_text(), (Path(tmp) / f"{name}.asm.out").read_text())
             for _, name in theorems
