@@ -183,3 +183,35 @@ def test_verdict_rule_comes_out_each_way():
     assert abs(cells[0]["step_ratio_unmatched"] - 1.08) < 1e-12
     one_short = _cells(up[:9], [0.0] * 9, seeds=range(9))
     assert "**not decided yet** (18 complete seed triples of 20)" in equal_rate.verdict(one_short)
+
+
+def test_the_docs_quote_the_committed_verdict():
+    """The rule's output and the numbers RESULTS.md, the README and results/equal_rate.md quote, recomputed from the
+    committed records with the committed rule (its commit, seeds and admissibility checks)."""
+    import re
+
+    import variance_lr
+    import variance_lr_pilot as pilot
+
+    commit = equal_rate.rule_commit()
+    seeds = equal_rate.seeds_from(commit)
+    runs = pilot.load_runs(ROOT / "results" / "equal_rate")
+    assert not [r["name"] for r in runs if equal_rate.admissible(r, commit)]
+    by_cell = variance_lr.cells(runs)
+    cells = [equal_rate.cell(by_cell, n, 3e-4, seeds) for n in equal_rate.GROUP_SIZES]
+    assert all(c["complete"] for c in cells)
+    line = equal_rate.verdict(cells)
+    word = re.search(r"\*\*(.+?)\*\*", line).group(1)
+    report = (ROOT / "results" / "equal_rate.md").read_text()
+    results, readme = (" ".join((ROOT / name).read_text().split()) for name in ("docs/RESULTS.md", "README.md"))
+    assert line in report and f'"{word}"' in results and f'"{word}"' in readme
+    for c in cells:
+        d = c["contrasts"]["otb_loo − rloo_matched"]
+        text = f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+        assert text in results and text in readme
+        assert f"p = {c['p_otb']:.4f}" in results and f"{c['step_ratio']:.3f}" in results
+        share = c["contrasts"]["rloo_matched − rloo"]["mean"] / c["contrasts"]["otb_loo − rloo"]["mean"]
+        assert f"{share:.0%}" in results and f"{share:.0%}" in readme
+        for key in ("otb_loo − rloo", "rloo_matched − rloo"):
+            assert f"{c['contrasts'][key]['mean']:+.4f}" in results
+        assert c["contrasts"]["otb_loo − rloo_matched"]["mean"] < variance_lr.DELTA  # "below δ" in both docs
