@@ -142,9 +142,15 @@ def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
     path = score.EQUIVALENT
     if not path.exists():
         pytest.skip("no equivalent mutants listed")
-    survivors = [r for _, records in score.load_results().values() for r in records if r["outcome"] == "survived"]
+    results = score.load_results()
+    survivors = [r for _, records in results.values() for r in records if r["outcome"] == "survived"]
+    # A module whose run is under way (mutants pending) has not judged its listed equivalents yet: each is checked
+    # once its module's results are complete (tools/mutation_score.py prunes the killed ones then).
+    running = {path for name, (path, _) in score.MODULES.items() if name in results and results[name][0]["pending"]}
     for entry in json.loads(path.read_text()):
         assert entry["reason"].strip(), entry
+        if any(entry["file"] == p or entry["file"].startswith(p + "/") for p in running):
+            continue
         listed = {(*score.equivalent_key(entry), entry.get("line"))}
         assert any(score.is_equivalent(r, listed) for r in survivors), f"stale entry (no such survivor): {entry}"
 
