@@ -370,7 +370,7 @@ def _sequence_advantages(
     blocks = _row_blocks(batch_size, length, device)
     mask = _rows_output(blocks, (batch_size, length), dtype, device)
     total_return = torch.zeros(batch_size, dtype=_GROUP_DTYPE, device=device)  # R [B] fp64
-    v = torch.ones(batch_size, dtype=dtype, device=device)  # sequence weight v [B] (uniform: 1)
+    v = torch.ones(batch_size, dtype=_GROUP_DTYPE, device=device)  # sequence weight v [B] fp64 (uniform: 1)
     for rows in blocks:
         block = _read_block(spec, inputs, rows)
         mask = _put(mask, rows, block.mask)
@@ -379,7 +379,7 @@ def _sequence_advantages(
         if block.w is not None:
             v[rows] = block.w.to(_GROUP_DTYPE).sum(dim=-1)  # v = Σ_t w_t
     if spec.energy == "exact":
-        v = inputs.grad_norms_sq.to(dtype)  # v = ||S||²
+        v = inputs.grad_norms_sq.to(dtype)  # v = ||S||² in the compute dtype (group_baseline takes it to fp64)
     counted = torch.ones(batch_size, dtype=torch.bool, device=device)
     counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
     in_group = counts[inputs.group] >= 2  # [B]

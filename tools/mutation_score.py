@@ -6,9 +6,10 @@
 cosmic-ray (`pip install -e ".[mutation]"`) chooses the mutants: its operators on every operator, comparison,
 number, boolean, loop, decorator and exception handler of each module. Left out, with the reason:
 
-* replacements *to* a bitwise or shift operator (`a + b` → `a | b`, `a << b`): the modules apply them to floats and
-  tensors of floats, where they have no meaning (they raise TypeError); replacements *from* `&`, `|` and `~` (used on
-  masks) stay;
+* a replacement *to* a bitwise or shift operator (`a + b` → `a | b`, `a << b`) that is applied to a float: it is run,
+  and left out when its first failure is the TypeError (Python) or NotImplementedError (torch) that such an operator
+  raises on a float or a float tensor, raised on the mutated line; on masks, integers and indices it is judged like
+  any other mutant (issue 42);
 * mutations inside type annotations (never evaluated: `from __future__ import annotations`);
 * `otb_ref/exact/__main__.py`, the table printer (its output is checked by tests/test_otb_ref/exact/test_table.py);
 * mutants that are not valid Python: cosmic-ray's operators see the bare `*` of keyword-only parameters and the
@@ -18,13 +19,18 @@ number, boolean, loop, decorator and exception handler of each module. Left out,
 
 Each mutant runs only the tests that execute the mutated statement (tools/mutation_tests.py: a coverage map of the
 unmutated tree, one context per test; import-time code runs every test of the module), `-x`, fastest first, with
-CI's derandomised hypothesis examples without shrinking (profile `mutations`). Mutants run in `--lanes` git
-worktrees of HEAD under runs/mutation/, each with a fork server that has torch imported once. Resumable:
-cosmic-ray's session files (runs/mutation/sessions/) keep every result, and the results file seeds a new session
-(kills kept while the module is unchanged, survivors while the library and tests are). Each module's per-mutant
-results go to results/mutation_score/<module>.jsonl; mutants shown equivalent are listed, with the reason, in
-results/mutation_score/equivalent.json; `--table` builds docs/mutations.md's table from both
-(tests/tools/test_mutation_score.py checks that the docs show it).
+CI's derandomised hypothesis examples without shrinking (profile `mutations`). Only a selected test's exception
+counts as a kill; timeouts, crashes (signals) and driver errors are counted apart (tools/mutation_tests.py). Mutants
+run in `--lanes` git worktrees of HEAD under runs/mutation/, each with a fork server that has torch imported once.
+Resumable: cosmic-ray's session files (runs/mutation/sessions/) keep every result, and the results file seeds a new
+session: kills kept while the module is unchanged (each record names the tests tree that judged it), survivors
+(listed equivalents among them) only while the library and the tests tree are unchanged, so a listed equivalent is
+run again whenever the tests change, and one that is then killed leaves the list (logged in
+results/mutation_score/equivalent_changes.jsonl). Each module's per-mutant results go to
+results/mutation_score/<module>.jsonl, whose header records the module's code, the library's and the tests tree's
+hashes; mutants shown equivalent are listed, with their kind and reason, in results/mutation_score/equivalent.json;
+`--table` builds docs/mutations.md's table from both and refuses results whose module code or tests tree is not
+HEAD's (tests/tools/test_mutation_score.py checks that the docs show it).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs" / "mutation"
 RESULTS = ROOT / "results" / "mutation_score"
 EQUIVALENT = RESULTS / "equivalent.json"
+CHANGES = RESULTS / "equivalent_changes.jsonl"  # listed equivalents that a run killed, one line each
+DOCS = ROOT / "docs" / "mutations.md"
 CR = str(Path(sys.executable).parent / "cosmic-ray")
 # module name -> (path cosmic-ray mutates, files it leaves out)
 MODULES = {
@@ -62,7 +70,15 @@ MODULES = {
 # The tests whose coverage decides what each mutant runs (multi-process FSDP tests and the benchmark commands
 # start subprocesses, which coverage does not follow; tools/mutations.py leaves them out for the same reason).
 TEST_POOL = ["tests/test_otb_ref", "tests/test_conformance.py", "-k", "not fsdp and not benchmark_command"]
-NO_MEANING = r"core/ReplaceBinaryOperator_\w+_(BitOr|BitAnd|BitXor|LShift|RShift)$"
+TO_BITWISE = re.compile(r"core/ReplaceBinaryOperator_\w+_(BitOr|BitAnd|BitXor|LShift|RShift)$")
+# What a bitwise or shift operator raises on a float or a float tensor (Python, torch, numpy).
+ON_FLOAT = re.compile(
+    r"not implemented for '(Float|Double|Half|BFloat16|Complex\w*)'"
+    r"|unsupported operand type\(s\) for (\||&|\^|<<|>>|\|=|&=|\^=|<<=|>>=): .*'(float|complex)'"
+    r"|ufunc '(bitwise_\w+|left_shift|right_shift)' not supported"
+)
+APART = ("timeout", "crash", "driver error")  # outcomes that are neither kills nor survivors (issue 42)
+KINDS = ("equivalent", "equivalent within tolerance", "out of scope")  # equivalent.json's "kind" of an entry
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
@@ -146,9 +162,7 @@ def init_session(name: str, session: Path, module: str, key: str, resume: bool =
                 sources[file] = (ROOT / file).read_text()
                 spans[file] = annotation_spans(ROOT / file)
             reason = None
-            if re.match(NO_MEANING, mutation.operator_name):
-                reason = "left out: to a bitwise or shift operator"
-            elif any(a <= tuple(mutation.start_pos) and tuple(mutation.end_pos) <= b for a, b in spans[file]):
+            if any(a <= tuple(mutation.start_pos) and tuple(mutation.end_pos) <= b for a, b in spans[file]):
                 reason = "left out: in a type annotation"
             elif not is_valid_python(sources[file], mutation):
                 reason = "left out: not valid Python"
@@ -159,28 +173,18 @@ def init_session(name: str, session: Path, module: str, key: str, resume: bool =
 
 
 def _resume_from_results(db, name: str, module: str, key: str) -> None:
-    """Results already in the results file are not run again: a kill while the module's code is unchanged (tests
-    only grow, so a mutant once killed stays killed), a survivor while the library and the tests are unchanged.
-    A survivor listed as equivalent is kept while the module is unchanged too: no test can kill it, by the reason
-    given. A result without the test command's note (how many tests ran, their exit status) is run again: it did not
-    come from this driver's test command. (`--fresh` runs every mutant.)"""
+    """Results already in the results file are not run again (see :func:`kept`). (`--fresh` runs every mutant.)"""
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
     done = load_results().get(name)
-    if done is None or done[0].get("module_code") != module:
+    if done is None:
         return
-    keep = ("killed", "survived") if done[0]["code"] == key else ("killed",)
-    listed = load_equivalent()
-    known = {
-        (r["file"], r["operator"], r["occurrence"]): r
-        for r in done[1]
-        if r["note"] and (r["outcome"] in keep or (r["outcome"] == "survived" and is_equivalent(r, listed)))
-    }
+    known = {(r["file"], r["operator"], r["occurrence"]): r for r in kept(*done, module, key)}
     for item in list(db.pending_work_items):
         (m,) = item.mutations
         record = known.get((str(m.module_path), m.operator_name, m.occurrence))
         if record is not None:
-            outcome = TestOutcome.KILLED if record["outcome"] == "killed" else TestOutcome.SURVIVED
+            outcome = TestOutcome.SURVIVED if record["outcome"] == "survived" else TestOutcome.KILLED
             result = WorkResult(
                 worker_outcome=WorkerOutcome.NORMAL,
                 test_outcome=outcome,
@@ -188,6 +192,53 @@ def _resume_from_results(db, name: str, module: str, key: str) -> None:
                 diff=f"-{record['original']}\n+{record['mutated']}",
             )
             db.set_result(item.job_id, result)
+
+
+def kept(header: dict, records: list[dict], module: str, key: str) -> list[dict]:
+    """The records a new session keeps: none if the module's code changed; else every kill (tests only grow, so a
+    mutant once killed stays killed; its note keeps the tests tree that judged it) and every bitwise operator left
+    out for raising on a float (a kill too), and the survivors, listed equivalents among them, only while the library
+    and the tests tree are unchanged (issue 42: an equivalent is judged again against new tests). Timeouts, crashes,
+    driver errors and results without the test command's answer are run again."""
+    if header.get("module_code") != module:
+        return []
+    out = []
+    for r in records:
+        answer = _answer(r["note"])
+        if answer is None:
+            continue
+        if "judged" not in answer:  # a record from before issue 42: judged by the run its header describes
+            tests = header.get("tests", f"before issue 42 ({header.get('code')})")
+            answer["judged"] = {"tests": tests, "date": header.get("date"), "machine": header.get("machine")}
+            r = {**r, "note": json.dumps(answer)}
+        if r["outcome"] == "killed" or (r["outcome"] == "left out" and "verdict" in answer):
+            out.append(r)
+        elif r["outcome"] == "survived" and header.get("code") == key:
+            out.append(r)
+    return out
+
+
+def judge(operator: str, note: str) -> str:
+    """A mutant's outcome from the test command's answer: "killed", "survived", one of :data:`APART`, or "left out"
+    for a bitwise or shift operator whose kill is the error such an operator raises on a float, on the mutated line.
+    An answer from before issue 42 has pytest's exit status only (1: a test failed, 0: none did)."""
+    answer = _answer(note)
+    if answer is None:  # cosmic-ray's own timeout, or the client failed: no answer
+        return "timeout" if note == "timeout" else "driver error"
+    verdict = answer.get("verdict") or {0: "survived", 1: "killed", 124: "timeout"}.get(answer.get("status"))
+    if verdict == "killed" and TO_BITWISE.match(operator) and answer.get("at_mutation"):
+        if ON_FLOAT.search(answer.get("message", "")):
+            return "left out"
+    return verdict if verdict in ("killed", "survived", *APART) else "driver error"
+
+
+def _answer(note: str) -> dict | None:
+    """The test command's answer in a record's note (a JSON object), None if the note is something else."""
+    try:
+        answer = json.loads(note)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 def _config(path: str, excluded: tuple[str, ...], test_command: str) -> str:
@@ -275,6 +326,7 @@ def collect(name: str, key: str, head: str) -> tuple[list[dict], int]:  # key: t
     """Per-mutant records of a module from its sessions (shards merged) and the number still pending."""
     from cosmic_ray.work_db import WorkDB, use_db
 
+    judged = {"tests": key.rsplit("-", 1)[-1], "date": time.strftime("%Y-%m-%d"), "machine": _machine()}
     owner: dict[str, dict] = {}
     pending = 0
     for session in sorted((RUNS / "sessions").glob(f"{name}-{key}.*of*.sqlite")):
@@ -285,20 +337,24 @@ def collect(name: str, key: str, head: str) -> tuple[list[dict], int]:  # key: t
                 if result is None:
                     pending += 1
                 elif result.output != "other shard":
-                    owner[item.job_id] = _record(item.mutations[0], result, head)
+                    owner[item.job_id] = _record(item.mutations[0], result, head, judged)
     records = sorted(owner.values(), key=lambda r: (r["file"], r["line"], r["col"], r["operator"], r["occurrence"]))
     return records, pending
 
 
-def _record(mutation, result, head: str) -> dict:
+def _record(mutation, result, head: str, judged: dict) -> dict:
+    """A mutant's record. ``judged``: the tests tree, date and machine of a run made now; a result kept from an
+    earlier run (:func:`kept`) carries its own in the note."""
     file = str(mutation.module_path)
     line = _lines(result.diff or "", "-") or _source(head, file)[mutation.start_pos[0] - 1].strip()
     if result.worker_outcome == "skipped":
         outcome, note = "left out", result.output
     else:
-        outcome = "killed" if result.is_killed else "survived"
         output = (result.output or "").strip().splitlines()
         note = output[-1] if output else ""  # the test command's answer
+        outcome = judge(mutation.operator_name, note)
+        if (answer := _answer(note)) is not None and "judged" not in answer:
+            note = json.dumps({**answer, "judged": judged})
     return {
         "file": file,
         "line": mutation.start_pos[0],
@@ -326,6 +382,8 @@ def write_results(name: str, module: str, key: str, head: str) -> int:
         "module": name,
         "tool": f"cosmic-ray {_version('cosmic-ray')}",
         "module_code": module,
+        "library": key.split("-")[0],
+        "tests": key.split("-")[1],
         "code": key,
         "date": time.strftime("%Y-%m-%d"),
         "machine": _machine(),
@@ -348,10 +406,10 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def load_results(results: Path = RESULTS) -> dict[str, tuple[dict, list[dict]]]:
+def load_results(results: Path | None = None) -> dict[str, tuple[dict, list[dict]]]:
     out = {}
     for name in MODULES:
-        path = results / f"{name}.jsonl"
+        path = (results or RESULTS) / f"{name}.jsonl"
         if path.exists():
             header, *records = [json.loads(line) for line in path.read_text().splitlines()]
             out[name] = (header, records)
@@ -365,48 +423,128 @@ def equivalent_key(record: dict) -> tuple[str, str, str, str]:
     return record["file"], record["operator"], original, record["mutated"]
 
 
-def load_equivalent(path: Path = EQUIVALENT) -> set[tuple]:
-    """The listed equivalents' keys: the mutation's text, and its line where an entry gives one (the same text
-    elsewhere in the file may not be equivalent)."""
+def load_equivalent(path: Path | None = None) -> dict[tuple, str]:
+    """The listed equivalents' keys (the mutation's text, and its line where an entry gives one: the same text
+    elsewhere in the file may not be equivalent), each with its kind (:data:`KINDS`)."""
+    path = path or EQUIVALENT
     entries = json.loads(path.read_text()) if path.exists() else []
-    return {(*equivalent_key(e), e.get("line")) for e in entries}
+    return {(*equivalent_key(e), e.get("line")): e.get("kind", "equivalent") for e in entries}
 
 
-def is_equivalent(record: dict, listed: set[tuple]) -> bool:
+def is_equivalent(record: dict, listed) -> bool:
     key = equivalent_key(record)
     return (*key, None) in listed or (*key, record["line"]) in listed
 
 
-def table(results: Path = RESULTS) -> str:
-    """docs/mutations.md's table: | module | mutants | killed | equivalent | survived | score % |."""
-    equivalent = load_equivalent(results / "equivalent.json")
-    rows = ["| module | mutants | killed | equivalent | survived | score % |", "|---|---|---|---|---|---|"]
-    notes = []
-    done = load_results(results)
-    for name, (header, records) in done.items():
-        tested = [r for r in records if r["outcome"] in ("killed", "survived")]
-        killed = sum(r["outcome"] == "killed" for r in tested)
-        same = sum(r["outcome"] == "survived" and is_equivalent(r, equivalent) for r in tested)
-        survived = len(tested) - killed - same
-        score = f"{100.0 * killed / (len(tested) - same):.1f}" if len(tested) > same else "—"
-        rows.append(f"| `{MODULES[name][0]}` | {len(tested)} | {killed} | {same} | {survived} | {score} |")
-        if header["pending"]:
-            notes.append(f"`{name}`: {header['pending']} mutants not run yet")
-    headers = [h for h, _ in done.values()]
-    tools, dates, machines = ({h[k] for h in headers} for k in ("tool", "date", "machine"))
+def equivalent_kind(record: dict, listed: dict[tuple, str]) -> str | None:
+    """The kind of the entry that lists this survivor, None if none does."""
+    key = equivalent_key(record)
+    return listed.get((*key, record["line"])) or listed.get((*key, None))
+
+
+COLUMNS = ("mutants", "killed", *KINDS, "survived", "apart")
+
+
+def counts(records: list[dict], listed: dict[tuple, str]) -> dict[str, int]:
+    """A module's mutants (left out ones aside) by outcome; a listed survivor counts under its entry's kind; "apart"
+    sums the timeouts, crashes and driver errors, which are also counted each under its own name."""
+    out = dict.fromkeys((*COLUMNS, *APART), 0)
+    for r in records:
+        if r["outcome"] == "left out":
+            continue
+        out["mutants"] += 1
+        if r["outcome"] == "survived":
+            out[equivalent_kind(r, listed) or "survived"] += 1
+        elif r["outcome"] in APART:
+            out["apart"] += 1
+            out[r["outcome"]] += 1
+        else:
+            out["killed"] += 1
+    return out
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}" if whole > 0 else "—"
+
+
+def table(results: Path | None = None) -> str:
+    """docs/mutations.md's table. score = killed / (mutants − equivalent − within tolerance − out of scope − apart);
+    strict = killed / (mutants − equivalent): what is within tolerance, out of scope or apart counts as not killed."""
+    results = results or RESULTS
+    listed = load_equivalent(results / "equivalent.json")
+    names = [c.replace("equivalent within tolerance", "within tolerance") for c in COLUMNS]
+    rows = ["| module | " + " | ".join(names) + " | score % | strict % |", "|---" * (len(COLUMNS) + 3) + "|"]
+    notes, dates, machines, tools = [], set(), set(), set()
+    for name, (header, records) in load_results(results).items():
+        c = counts(records, listed)
+        excluded = sum(c[k] for k in KINDS) + c["apart"]
+        score = _percent(c["killed"], c["mutants"] - excluded)
+        strict = _percent(c["killed"], c["mutants"] - c["equivalent"])
+        rows.append(f"| `{MODULES[name][0]}` | " + " | ".join(str(c[k]) for k in COLUMNS) + f" | {score} | {strict} |")
+        notes += _notes(name, header, records, c)
+        tools.add(header["tool"])
+        for judged in [_judged(r, header) for r in records if r["outcome"] != "left out"] or [header]:
+            dates.add(judged["date"])
+            machines.add(judged["machine"])
     made = (
         f"Tool: {', '.join(sorted(tools))}; runs of {', '.join(sorted(dates))} on {', '.join(sorted(machines))}; "
         "command `python tools/mutation_score.py`."
     )
-    return "\n".join([made, "", *rows] + ([""] + ["Pending: " + "; ".join(notes) + "."] if notes else []))
+    return "\n".join([made, "", *rows] + (["", *notes] if notes else []))
 
 
-def write_docs(docs: Path = ROOT / "docs" / "mutations.md") -> None:
+def _notes(name: str, header: dict, records: list[dict], c: dict[str, int]) -> list[str]:
+    """The table's footnotes for one module: mutants pending, apart, and kills judged with an older tests tree."""
+    notes = []
+    if header["pending"]:
+        notes.append(f"* `{name}`: {header['pending']} mutants not run yet.")
+    if c["apart"]:
+        notes.append(f"* `{name}` apart: " + ", ".join(f"{c[k]} {k}" for k in APART if c[k]) + ".")
+    older = sum(r["outcome"] == "killed" and _judged(r, header)["tests"] != header.get("tests") for r in records)
+    if older:
+        notes.append(f"* `{name}`: {older} kills kept from a run with an earlier tests tree (the module is unchanged).")
+    return notes
+
+
+def _judged(record: dict, header: dict) -> dict:
+    """The tests tree, date and machine that judged a record: its note's, else its results file's header's."""
+    judged = (_answer(record.get("note", "")) or {}).get("judged") or {}
+    return {"tests": header.get("tests"), "date": header["date"], "machine": header["machine"], **judged}
+
+
+def write_docs(docs: Path | None = None) -> None:
     """Put :func:`table` between the markers of docs/mutations.md."""
+    docs = docs or DOCS
     text = docs.read_text()
     start, end = "<!-- mutation-table -->\n", "<!-- /mutation-table -->"
     head, rest = text.split(start)
     docs.write_text(head + start + table() + "\n" + end + rest.split(end, 1)[1])
+
+
+def prune_equivalents(name: str) -> list[dict]:
+    """Listed equivalents of the module that a run killed leave the list (issue 42), each logged with the kill's
+    answer in :data:`CHANGES`; returns them. Only once no mutant of the module is pending: an entry without a line
+    covers every line with its text, and a kill on one of them says nothing while another is still to run."""
+    done = load_results().get(name)
+    if done is None or done[0].get("pending", 0) or not EQUIVALENT.exists():
+        return []
+    records = done[1]
+    files = {r["file"] for r in records}
+    survivors = [r for r in records if r["outcome"] == "survived"]
+    entries, kept_entries, gone = json.loads(EQUIVALENT.read_text()), [], []
+    for entry in entries:
+        listed = {(*equivalent_key(entry), entry.get("line"))}
+        killers = [r for r in records if r["outcome"] == "killed" and is_equivalent(r, listed)]
+        if entry["file"] in files and killers and not any(is_equivalent(r, listed) for r in survivors):
+            gone.append({"entry": entry, "killed": [{"line": r["line"], **_answer(r["note"])} for r in killers]})
+        else:
+            kept_entries.append(entry)
+    if gone:
+        EQUIVALENT.write_text(json.dumps(kept_entries, indent=1, ensure_ascii=False) + "\n")
+        with CHANGES.open("a") as log:
+            for change in gone:
+                log.write(json.dumps({"date": time.strftime("%Y-%m-%d"), "change": "removed: killed", **change}) + "\n")
+    return gone
 
 
 def newest_sharded_session(stems: set[str], sessions: Path | None = None) -> tuple[str, str] | None:
@@ -440,12 +578,30 @@ def module_key(name: str) -> str:
     return hashlib.sha1(git("ls-tree", "-r", "HEAD", MODULES[name][0]).encode()).hexdigest()[:10]
 
 
-def code_key() -> str:
-    """The library's and the tests' trees at HEAD (tests/tools, which tests this driver, left out)."""
+def tests_key(rev: str = "HEAD") -> str:
+    """The tests tree the mutants run against: tests/ (less tests/tools, which tests this driver) and conformance/
+    (tests/test_conformance.py's cases), at ``rev``."""
     import hashlib
 
-    tests = "\n".join(ln for ln in git("ls-tree", "-r", "HEAD", "tests").splitlines() if "\ttests/tools/" not in ln)
-    return git("rev-parse", "HEAD:otb_ref")[:10] + "-" + hashlib.sha1(tests.encode()).hexdigest()[:10]
+    listing = git("ls-tree", "-r", rev, "tests", "conformance").splitlines()
+    return hashlib.sha1("\n".join(ln for ln in listing if "\ttests/tools/" not in ln).encode()).hexdigest()[:10]
+
+
+def code_key() -> str:
+    """``<library>-<tests>``: the trees of otb_ref/ and of the tests (:func:`tests_key`) at HEAD."""
+    return git("rev-parse", "HEAD:otb_ref")[:10] + "-" + tests_key()
+
+
+def stale(results: Path | None = None) -> list[str]:
+    """Why the results are not HEAD's, one line per module whose module code or tests tree differs (issue 42)."""
+    problems = []
+    tests = tests_key()
+    for name, (header, _) in load_results(results or RESULTS).items():
+        if header.get("module_code") != module_key(name):
+            problems.append(f"{name}: its code {header.get('module_code')} is not HEAD's {module_key(name)}")
+        if header.get("tests") != tests:
+            problems.append(f"{name}: its tests tree {header.get('tests', '(not recorded)')} is not HEAD's {tests}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="only the table: from the results into docs/mutations.md")
     args = parser.parse_args(argv)
     if args.table:
+        if problems := stale():
+            raise SystemExit(
+                "refusing to print a score from stale results (run tools/mutation_score.py):\n" + "\n".join(problems)
+            )
         write_docs()
         print(table())
         return 0
@@ -468,8 +628,10 @@ def main(argv: list[str] | None = None) -> int:
             if newest := newest_sharded_session(stems):
                 print(name, write_results(name, *newest, head), "pending")
         return 0
-    if git("status", "--porcelain", "otb_ref", "tests", "tools/mutation_tests.py"):
-        raise SystemExit("commit otb_ref/, tests/ and tools/mutation_tests.py first: the lanes check out HEAD")
+    if git("status", "--porcelain", "otb_ref", "tests", "conformance", "tools/mutation_tests.py"):
+        raise SystemExit(
+            "commit otb_ref/, tests/, conformance/ and tools/mutation_tests.py first: lanes check out HEAD"
+        )
     head, key = git("rev-parse", "HEAD"), code_key()
     (RUNS / "sessions").mkdir(parents=True, exist_ok=True)
     test_map = coverage_map(key, head)
@@ -503,8 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                 with lock:
                     pending = write_results(name, keys[name], key, head)
                     print(f"{name}: {session.name} done, {pending} pending", flush=True)
-                    if args.commit:
-                        _commit(name, pending)
+                    _written(name, pending, args.commit)
         finally:
             server.kill()
 
@@ -517,20 +678,30 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             for name in args.modules:
                 if list((RUNS / "sessions").glob(f"{name}-{keys[name]}-{key}.*of*.sqlite")):
-                    pending = write_results(name, keys[name], key, head)
-                    if args.commit:
-                        _commit(name, pending)
+                    _written(name, write_results(name, keys[name], key, head), args.commit)
     print(table())
     return 0
 
 
-def _commit(name: str, pending: int) -> None:
-    path = RESULTS / f"{name}.jsonl"
-    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(path)], cwd=ROOT).returncode == 0:
-        return  # nothing new
-    subprocess.run(["git", "add", str(path)], cwd=ROOT, check=True)
-    message = f"results/mutation_score: {name} ({pending} pending), python tools/mutation_score.py"
-    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(path)], cwd=ROOT, check=False)
+def _written(name: str, pending: int, commit: bool) -> None:
+    """After a module's results were written: listed equivalents now killed leave the list; commit if asked."""
+    gone = prune_equivalents(name)
+    for change in gone:
+        entry = change["entry"]
+        print(f"{name}: no longer equivalent (killed): {entry['file']}: {entry['original']} -> {entry['mutated']}")
+    if commit:
+        _commit(name, pending, len(gone))
+
+
+def _commit(name: str, pending: int, pruned: int = 0) -> None:
+    paths = [str(p) for p in (RESULTS / f"{name}.jsonl", EQUIVALENT, CHANGES) if p.exists()]
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *paths], cwd=ROOT).returncode == 0:
+        if not subprocess.run(["git", "ls-files", "--others", "--", *paths], cwd=ROOT, capture_output=True).stdout:
+            return  # nothing new
+    subprocess.run(["git", "add", *paths], cwd=ROOT, check=True)
+    dropped = f", {pruned} listed equivalents killed" if pruned else ""
+    message = f"results/mutation_score: {name} ({pending} pending{dropped}), python tools/mutation_score.py"
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", *paths], cwd=ROOT, check=False)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,8 @@
 
     python conformance/check.py conformance/ports/numpy_port.py:compute_advantages
 
-``broken`` (a set of rule names, default empty) switches single rules off; ``conformance/generate.py`` uses it to
-tag each case with the rules it exercises (a port that breaks one rule fails exactly the cases tagged with it):
-
-* ``clamp``: ``w_t = 1 − 2π + Σπ²`` is not clamped into [0, 2];
-* ``epsilon``: verl's ``Σ a G / (Σ a + ε)`` (0 where the denominator is 0) instead of ``(Σ a G + ε Ḡ) / (Σ a + ε)``;
-* ``precision``: ``W``, ``G`` and the group statistics in the inputs' dtype instead of fp64;
-* ``group_of_one``: a group of one response gets its own (include-self) baseline instead of none;
-* ``zero_spread``: std scaling also divides groups whose centred values are all equal;
-* ``off_mask``: values where the mask is 0 are used as given instead of ignored.
-
+The conformance generator checks it on every case beside otb_ref (a cross-check of the expected values); the
+ports that break one rule each are ``conformance/ports/bugs/one_rule.py``, built on ``vector_port.py``.
 ``direct=True`` forms leave-one-out sums over the others instead of "all minus own" (both are legitimate; the
 vectors' tolerance admits either). Slow on purpose (Python loops over groups, rows and positions); NumPy only.
 """
@@ -34,51 +26,51 @@ ESTIMATORS = {  # name: (granularity, energy, leave_one_out, std_normalize), THE
 }
 
 
-def _baseline(weights, values, own, epsilon, dtype, broken, direct):
+def _baseline(weights, values, own, epsilon, direct):
     """``(Σ a x + ε x̄) / (Σ a + ε)`` over the members, ``x̄`` their plain mean (``x̄`` if the denominator is 0).
 
     ``weights``, ``values``: the members alive there, the row itself included; ``own``: ``(a_i, x_i)`` to leave out
     (leave-one-out), else None. Leave-one-out sums are "all members minus own term" (otb_ref's rule), or, with
     ``direct``, sums over the others (another rounding where one row's weight dwarfs the others')."""
-    a, x = np.asarray(weights, dtype=dtype), np.asarray(values, dtype=dtype)
-    n, num, den, total = dtype(len(x)), (a * x).sum(), a.sum(), x.sum()
+    a, x = np.asarray(weights, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    n, num, den, total = np.float64(len(x)), (a * x).sum(), a.sum(), x.sum()
     if own is not None:
-        a_i, x_i = dtype(own[0]), dtype(own[1])
+        a_i, x_i = np.float64(own[0]), np.float64(own[1])
         if direct:
             keep = np.ones(len(x), bool)
             keep[own[2]] = False
-            n, num, den, total = dtype(keep.sum()), (a * x)[keep].sum(), a[keep].sum(), x[keep].sum()
+            n, num, den, total = np.float64(keep.sum()), (a * x)[keep].sum(), a[keep].sum(), x[keep].sum()
         else:
             n, num, den, total = n - 1, num - a_i * x_i, den - a_i, total - x_i
     if n == 0:
         return 0.0
     mean = total / n
-    den = den + dtype(epsilon)
-    if "epsilon" in broken:
-        return num / den if den > 0 else dtype(0.0)
-    return (num + dtype(epsilon) * mean) / den if den > 0 else mean
+    den = den + np.float64(epsilon)
+    return (num + np.float64(epsilon) * mean) / den if den > 0 else mean
 
 
-def _energies(energy, m, dt, gdt, lp, s, rho, grad_norms_sq, cumulative_energy, broken):
-    """``(v [B], W [B, T])`` in ``gdt`` (fp64), from per-token energies ``w`` computed in the compute dtype ``dt``."""
+def _energies(energy, m, dt, lp, s, rho, grad_norms_sq, cumulative_energy):
+    """``(v [B], W [B, T])`` in fp64, from per-token energies ``w`` computed in the compute dtype ``dt``."""
     batch, length = m.shape
     if energy == "uniform":
-        return np.ones(batch, gdt), m.astype(gdt)
+        return np.ones(batch), m.astype(np.float64)
     if energy == "exact":
-        v = None if grad_norms_sq is None else np.asarray(np.asarray(grad_norms_sq, dt), gdt)
-        return v, (None if cumulative_energy is None else cumulative_energy.astype(gdt))
+        v = None if grad_norms_sq is None else np.asarray(np.asarray(grad_norms_sq, dt), np.float64)
+        return v, (None if cumulative_energy is None else cumulative_energy.astype(np.float64))
     w = m.astype(dt) if energy == "length" else (dt(1.0) - dt(2.0) * np.exp(lp) + s)
-    if energy == "proxy" and "clamp" not in broken:
+    if energy == "proxy":
         w = np.clip(w, 0.0, 2.0).astype(dt)
     if rho is not None:
         w = w * rho * rho
-    w = np.where(m, w, dt(0.0)).astype(dt).astype(gdt)
+    w = np.where(m, w, dt(0.0)).astype(dt).astype(np.float64)
     return w.sum(axis=1), np.cumsum(w, axis=1)
 
 
-def _pooled_std(columns, dtype):
+def _pooled_std(columns):
     """Pooled within-coordinate unbiased std of the alive values, and whether they differ somewhere."""
-    squares = sum(float(((np.asarray(c, dtype) - np.mean(np.asarray(c, dtype))) ** 2).sum()) for c in columns if c)
+    squares = sum(
+        float(((np.asarray(c, np.float64) - np.mean(np.asarray(c, np.float64))) ** 2).sum()) for c in columns if c
+    )
     dof = sum(max(len(c) - 1, 0) for c in columns)
     spread = any(max(c) > min(c) for c in columns if c)
     return (np.sqrt(squares / dof) if dof else 0.0), spread
@@ -100,7 +92,6 @@ def compute_advantages(  # noqa: C901 (one loop per rule, on purpose)
     multi_turn=False,
     handle_zero_tail=False,
     epsilon=1e-8,
-    broken=frozenset(),
     direct=False,
 ):
     granularity, energy, loo, std = ESTIMATORS[estimator]
@@ -119,18 +110,17 @@ def compute_advantages(  # noqa: C901 (one loop per rule, on purpose)
         if x is not None and np.asarray(x).dtype.kind == "f"
     ]
     dt = np.float64 if any(np.asarray(x).dtype == np.float64 for x in given) else np.float32
-    gdt = dt if "precision" in broken else np.float64  # dtype of group statistics
     m = np.asarray(response_mask) != 0
     batch, length = m.shape
-    keep = (lambda x: np.asarray(x, dt)) if "off_mask" in broken else (lambda x: np.where(m, np.asarray(x, dt), 0))
+    keep = lambda x: np.where(m, np.asarray(x, dt), 0)  # noqa: E731 (values off the mask: 0, whatever they are)
     r = keep(token_level_rewards).astype(dt)
     lp, s, rho, ce = (
         None if x is None else keep(x).astype(dt)
         for x in (old_log_probs, sum_pi_squared, rollout_is_weights, cumulative_energy)
     )
-    v, W = _energies(energy, m, dt, gdt, lp, s, rho, grad_norms_sq, ce, broken)
-    G = np.cumsum(r.astype(gdt)[:, ::-1], axis=1)[:, ::-1]  # summed from the end
-    R = G[:, 0] if length else np.zeros(batch, gdt)
+    v, W = _energies(energy, m, dt, lp, s, rho, grad_norms_sq, ce)
+    G = np.cumsum(r.astype(np.float64)[:, ::-1], axis=1)[:, ::-1]  # summed from the end, in fp64
+    R = G[:, 0] if length else np.zeros(batch)
     lengths = m.sum(axis=1)
     counted = lengths > 0 if multi_turn else np.ones(batch, bool)
     positions = [np.flatnonzero(m[i]) for i in range(batch)]
@@ -141,11 +131,11 @@ def compute_advantages(  # noqa: C901 (one loop per rule, on purpose)
         groups.setdefault(key, []).append(i)
     for members in groups.values():
         rows = [i for i in members if counted[i]]
-        has_baseline = len(rows) >= 2 or "group_of_one" in broken
+        has_baseline = len(rows) >= 2
         for i in rows:
             if granularity == "sequence":
                 own = (v[i], R[i], rows.index(i)) if loo else None
-                b = _baseline([v[j] for j in rows], [R[j] for j in rows], own, eps_b, gdt, broken, direct)
+                b = _baseline([v[j] for j in rows], [R[j] for j in rows], own, eps_b, direct)
                 adv[i] = (np.float64(R[i]) - np.float64(b if has_baseline else 0.0)) * m[i]
                 continue
             for k, t in enumerate(positions[i]):
@@ -156,12 +146,12 @@ def compute_advantages(  # noqa: C901 (one loop per rule, on purpose)
                     if (lengths[j] > p if multi_turn else m[j, p])
                 ]
                 own = (W[i, t], G[i, t], [j for j, _ in alive].index(i)) if loo else None
-                b = _baseline([W[j, u] for j, u in alive], [G[j, u] for j, u in alive], own, eps_b, gdt, broken, direct)
+                b = _baseline([W[j, u] for j, u in alive], [G[j, u] for j, u in alive], own, eps_b, direct)
                 if not has_baseline or _in_zero_tail(handle_zero_tail, rows, lengths, i, p):
                     b = 0.0
                 adv[i, t] = np.float64(G[i, t]) - np.float64(b)
         if std and has_baseline:
-            scale_rows(adv, rows, granularity, multi_turn, R, G, m, lengths, positions, epsilon, gdt, broken)
+            scale_rows(adv, rows, granularity, multi_turn, R, G, m, lengths, positions, epsilon)
     returns = (R[:, None] * m).astype(dt) if granularity == "sequence" else G.astype(dt)
     return adv.astype(dt), returns
 
@@ -174,7 +164,7 @@ def _in_zero_tail(handle_zero_tail, rows, lengths, i, p):
     return ordered[0] > ordered[1] and lengths[i] == ordered[0] and p >= ordered[1]
 
 
-def scale_rows(adv, rows, granularity, multi_turn, R, G, m, lengths, positions, epsilon, dtype, broken):
+def scale_rows(adv, rows, granularity, multi_turn, R, G, m, lengths, positions, epsilon):
     """GRPO's std scaling of one group's rows, in place: σ of what the baseline centres, pooled within coordinates."""
     if granularity == "sequence":
         columns = [[R[j] for j in rows]]
@@ -182,7 +172,7 @@ def scale_rows(adv, rows, granularity, multi_turn, R, G, m, lengths, positions, 
         columns = [[G[j, positions[j][k]] for j in rows if k < lengths[j]] for k in range(m.shape[1])]
     else:
         columns = [[G[j, t] for j in rows if m[j, t]] for t in range(m.shape[1])]
-    sigma, spread = _pooled_std(columns, dtype)
-    if (spread or "zero_spread" in broken) and sigma + epsilon > 0:
+    sigma, spread = _pooled_std(columns)
+    if spread and sigma + epsilon > 0:
         for i in rows:
             adv[i] = adv[i] / (sigma + epsilon)

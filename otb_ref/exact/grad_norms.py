@@ -75,6 +75,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -129,7 +131,9 @@ def sequence_grad_norms_sq_fp64(
     Returns:
         ``[B]`` float64 on ``input_ids``' device, ``>= 0``, whatever the model's
         dtype (computed on a float64 copy on the model's device, float32
-        islands promoted; see the module docstring). Feeds
+        islands promoted; see the module docstring). An ordinary tensor even
+        when called under ``torch.inference_mode()``: it can be updated in
+        place and enter autograd. Feeds
         ``compute_advantages("eob", ..., grad_norms_sq=...)``.
 
     Raises:
@@ -333,9 +337,23 @@ def _logits_of(output: Any, length: int) -> torch.Tensor:
     if logits.dtype != torch.float64:
         warnings.warn(
             f"model: the float64 copy produced {logits.dtype} logits; the norms are not exact in float64",
-            stacklevel=4,
+            stacklevel=_callers_level(),
         )
     return logits
+
+
+_INSIDE = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # otb_ref/
+)
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s ``stacklevel`` for a warning raised by this function's caller that names the first frame
+    outside otb_ref and torch: the user's call (the frames between vary: torch.func's transforms, the row loop)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _prepare(model, input_ids, response_mask, attention_mask, temperature) -> _Job:

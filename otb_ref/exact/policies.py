@@ -28,7 +28,7 @@ from torch.func import jacrev, vmap
 
 from otb_ref.proxy import token_energy
 
-__all__ = ["TreePolicy", "SharedPolicy", "Enumeration", "enumerate_policy", "enumerate_responses"]
+__all__ = ["TreePolicy", "SharedPolicy", "Enumeration", "enumerate_policy", "enumerate_responses", "keeps_scores"]
 
 EOS = 0
 
@@ -55,7 +55,9 @@ def enumerate_responses(vocab: int, horizon: int, eos: bool = True) -> tuple[tor
 
 @dataclass
 class TreePolicy:
-    """Tabular policy: prefix ``h`` (of non-EOS tokens) owns logits ``θ_h ∈ R^V``."""
+    """Tabular policy: prefix ``h`` (of non-EOS tokens) owns logits ``θ_h ∈ R^V``, drawn ``N(0, scale²)`` from
+    ``torch.Generator().manual_seed(seed)``; the defaults (``eos=True``, ``scale=1.0``, ``seed=0``) are part of the
+    API: ``TreePolicy(V, L)`` is always the same policy."""
 
     vocab: int
     horizon: int
@@ -87,7 +89,8 @@ class TreePolicy:
 
 @dataclass
 class SharedPolicy:
-    """Parameter-shared policy ``logits_t = U tanh(E[y_{t−1}] + P_t) + b`` (``y_0`` = BOS)."""
+    """Parameter-shared policy ``logits_t = U tanh(E[y_{t−1}] + P_t) + b`` (``y_0`` = BOS), θ drawn as in
+    :class:`TreePolicy`; the defaults (``eos=True``, ``width=3``, ``scale=1.0``, ``seed=0``) are part of the API."""
 
     vocab: int
     horizon: int
@@ -185,13 +188,19 @@ _MAX_SCORE_ELEMENTS = 1 << 23
 _JACOBIAN_CHUNK_ELEMENTS = 1 << 22
 
 
+def keeps_scores(num_rows: int, length: int, num_params: int) -> bool:
+    """Whether :func:`enumerate_policy` keeps the scores ``[M, L, P]`` by default: at most 2**23 numbers."""
+    return num_rows * length * num_params <= _MAX_SCORE_ELEMENTS
+
+
 def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None = None) -> Enumeration:
     """Enumerate every response of ``policy`` with probabilities, proxy energies and score Gram matrices.
 
     Scores come from ``torch.func`` (``vmap`` over responses of ``jacrev`` of
     the per-token log-probabilities), chunked so that at most a few million
-    float64 numbers exist at once. ``keep_scores`` (default: when small) keeps
-    ``s_t`` for every response, needed by finite-group moments.
+    float64 numbers exist at once. ``keep_scores`` keeps ``s_t`` for every
+    response, needed by finite-group moments; by default it is kept when the
+    scores take at most 2**23 float64 numbers (64 MiB; :func:`keeps_scores`).
     """
     tokens, mask = enumerate_responses(policy.vocab, policy.horizon, policy.eos)
     theta = policy.theta.detach()
@@ -206,7 +215,7 @@ def enumerate_policy(policy: TreePolicy | SharedPolicy, keep_scores: bool | None
     num_rows, length = tokens.shape
     num_params = theta.numel()
     if keep_scores is None:
-        keep_scores = num_rows * length * num_params <= _MAX_SCORE_ELEMENTS
+        keep_scores = keeps_scores(num_rows, length, num_params)
     per_row = lambda th, row: _token_log_probs(policy, th, row)  # noqa: E731  [L]
     jacobian = vmap(jacrev(per_row), in_dims=(None, 0))  # [c, L, P]
     chunk = max(1, _JACOBIAN_CHUNK_ELEMENTS // (length * num_params))

@@ -8,35 +8,36 @@ suffixes ``_loo`` (leave-one-out) and ``_std`` (std scaling), e.g. ``otb_ref.otb
 :func:`otb_ref.compute_advantages`' (so ``otb_ref.otb`` equals verl's ``optimal_token_baseline`` with
 ``+algorithm.otb_ref.handle_zero_tail=true``, verl's default there).
 
-What works in verl 0.9.1 (``trainer.use_v1`` picks the trainer; V1 is the default):
+What works in verl 0.9.1, on its default V1 trainer (``trainer.use_v1=true``, every ``trainer.v1.trainer_mode``)
+and on the legacy one alike:
 
-==========================================  ===================================  ===========================
-estimators                                  legacy trainer (use_v1=false)        V1 trainer
-==========================================  ===================================  ===========================
-rewards only: grpo, rloo, opo,              yes                                  yes
+==========================================  ===========================================================
+estimators                                  V1 and legacy trainers
+==========================================  ===========================================================
+rewards only: grpo, rloo, opo,              yes
 token_mean, token_length
-proxy: otb, sequence_proxy                  with ``actor.calculate_sum_pi_squared  no: V1 fetches no Σπ²
-                                            =true``; engines and fused kernels:
-                                            the next table
+proxy: otb, sequence_proxy, and verl's own  with ``actor.calculate_sum_pi_squared=true``; engines and
+optimal_token_baseline and                  fused kernels: the next table
+tir_optimal_token_baseline
 exact: eob, otb_exact                       no: verl computes no per-response gradient norms
-==========================================  ===================================  ===========================
+==========================================  ===========================================================
 
-Where proxy estimators get Σπ² (legacy trainer, ``actor.calculate_sum_pi_squared=true``); every "refused" is
-refused by ``validate_config`` before any worker starts, with the keys to change:
+Where proxy estimators get Σπ² (``actor.calculate_sum_pi_squared=true``); every "refused" is refused by
+``validate_config`` before any worker starts, with the keys to change:
 
 ==================================================  ========================================================
 actor engine (``actor.strategy``) and model         Σπ²
 ==================================================  ========================================================
 fsdp / fsdp2, ``model.use_fused_kernels=false``     verl's own, from the full logits
 fsdp / fsdp2, fused kernels with                    otb_ref's route (:mod:`otb_ref.integrations.verl_fused`):
-``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits;
-``liger`` without liger-kernel: the same forward)   remove-padding on and off
+``fused_kernel_options.impl_backend=torch`` (or     in verl's fused chunk loop, no ``[T, V]`` logits, fp32
+``liger`` without liger-kernel: the same forward)   under verl's autocast; remove-padding on and off
 fused kernels, ``impl_backend=triton``              refused: ``impl_backend=torch`` or
                                                     ``use_fused_kernels=false``
 fused kernels, ``liger`` with liger-kernel          refused: as triton
-fused kernels, vision-language model                refused: ``use_fused_kernels=false`` (known at validation
-                                                    when ``model.path`` is a local directory; otherwise at
-                                                    the first old-log-prob pass)
+fused kernels, vision-language model, or a head     refused: ``use_fused_kernels=false`` (known at validation
+that rescales or caps its logits (Granite,          when ``model.path`` is a local directory; otherwise at
+Cohere, Gemma2/3: config keys)                      the first old-log-prob pass)
 megatron, veomni (or fsdp_turbo), fused kernels     refused: ``use_fused_kernels=false``
 megatron, veomni, fsdp_turbo without fused kernels  verl's own
 automodel, torchtitan (any mode)                    refused: ``actor.strategy=fsdp`` (they compute no Σπ²)
@@ -44,12 +45,15 @@ automodel, torchtitan (any mode)                    refused: ``actor.strategy=fs
 ==================================================  ========================================================
 
 Proxy estimators need Σπ² and old log-probs; verl passes them (and rollout IS weights) only to its own two OTB
-names. :func:`install` therefore wraps ``compute_advantage`` in both modules that hold it (``ray_trainer`` and
-``v1.utils``) so that ``otb_ref.*`` names receive the same three keys, wraps ``validate_config`` so that a
-configuration that cannot feed the chosen estimator fails before training starts, with one message naming the
-keys to set, and installs the fused-kernel route. ``validate_config`` also refuses, for any estimator, an
+names, and its V1 trainer computes no Σπ² at all. :func:`install` therefore wraps ``compute_advantage`` in both
+modules that hold it (``ray_trainer`` and ``v1.utils``) so that ``otb_ref.*`` names receive the same three keys,
+installs the V1 route (:mod:`otb_ref.integrations.verl_v1`: the old-log-prob pass asks for Σπ², which reaches the
+advantage step and the W-score metrics; opt out with ``OTB_REF_VERL_V1_ROUTE=0``) and the fused-kernel route, and
+wraps ``validate_config`` so that a configuration that cannot feed the chosen estimator fails before training
+starts, with one message naming the keys to set. ``validate_config`` also refuses, for any estimator, an
 environment with a TRL that verl's FSDP model build cannot import (TRL 1.16: install the extras apart). The wraps
-are installed for the verl versions in :data:`TESTED_VERL` only.
+are installed for the verl versions in :data:`TESTED_VERL` only. ``python -m otb_ref.integrations.verl --check
+[overrides…]`` (:mod:`otb_ref.integrations.verl_check`) reports all of this for a run, in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from typing import Any
 
 from otb_ref.advantages import compute_advantages
 from otb_ref.estimators import ESTIMATORS
-from otb_ref.integrations import verl_fused
+from otb_ref.integrations import verl_fused, verl_v1
 
 __all__ = ["PREFIX", "TESTED_VERL", "install", "resolve", "config_problems", "registered_names"]
 
@@ -77,6 +81,8 @@ SUFFIXES = {"_loo": "leave_one_out", "_std": "std_normalize"}
 _log = logging.getLogger(__name__)
 _route_installed = False
 _fused_route_installed = False
+_v1_route_installed = False
+VERL_PROXY_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # verl's own OTB (needs Σπ²)
 
 EXACT_UNSUPPORTED = (
     "verl computes no per-response gradient norms (||S||², ||S_t||²); use otb_ref.otb (the proxy) in verl, "
@@ -140,25 +146,30 @@ VISION_LANGUAGE_TYPES = (
 
 
 def config_problems(config: Any) -> list[str]:
-    """What a full verl config (``DictConfig``) lacks to feed its ``otb_ref.*`` estimator, one line per key;
-    ``[]`` when it is fine or the estimator is not ours (but for an environment in which verl cannot build a model,
-    refused whatever the estimator)."""
+    """What a full verl config (``DictConfig``) lacks to feed its estimator, one line per key: an ``otb_ref.*`` name,
+    or verl's own OTB (:data:`VERL_PROXY_ESTIMATORS`, which needs Σπ² as ours do); ``[]`` when it is fine or the
+    estimator is another of verl's (but for an environment in which verl cannot build a model, refused whatever the
+    estimator)."""
     problems = _environment_problems(config)
     adv_estimator = config.algorithm.adv_estimator
     if not is_ours(adv_estimator):
-        return problems
+        return problems + (_proxy_problems(config) if _name_of(adv_estimator) in VERL_PROXY_ESTIMATORS else [])
     name, _ = resolve(adv_estimator, config.algorithm)
     energy = ESTIMATORS[name].energy
     if energy == "exact":
         return problems + [
             f"algorithm.adv_estimator={_name_of(adv_estimator)}: unsupported: " + EXACT_UNSUPPORTED.format(name=name)
         ]
-    if energy != "proxy":
-        return problems
+    return problems + (_proxy_problems(config) if energy == "proxy" else [])
+
+
+def _proxy_problems(config: Any) -> list[str]:
+    """What a config lacks to give an estimator Σπ² and old log-probs (any trainer, engine, kernels)."""
+    problems = []
     if not _route_installed:
         problems.append(f"verl {_verl_version()} is not a tested version {TESTED_VERL}: no route for Σπ²")
-    if config.trainer.get("use_v1", True):
-        problems.append("trainer.use_v1=false (verl's V1 trainer does not fetch sum_pi_squared for advantages)")
+    elif config.trainer.get("use_v1", True):
+        problems.extend(_v1_problems(config))
     if not config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False):
         problems.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
     correction = config.algorithm.get("rollout_correction", None)
@@ -168,6 +179,23 @@ def config_problems(config: Any) -> list[str]:
             "the one that computes Σπ²)"
         )
     return problems + _engine_problems(config.actor_rollout_ref)
+
+
+def _v1_problems(config: Any) -> list[str]:
+    """Why the V1 trainer the config selects would not deliver Σπ² (otb_ref's V1 route off or bypassed)."""
+    if not _v1_route_installed:
+        reason = f"{verl_v1.OPT_OUT}=0 turned it off" if verl_v1.opted_out() else f"verl {_verl_version()}'s V1 differs"
+        return [
+            f"unset {verl_v1.OPT_OUT} or trainer.use_v1=false (otb_ref's V1 route for Σπ² is not installed: {reason})"
+        ]
+    mode = _trainer_mode(config)
+    problem = verl_v1.trainer_problem(mode)
+    return [f"trainer.v1.trainer_mode=sync, colocate_async or separate_async ({problem})"] if problem else []
+
+
+def _trainer_mode(config: Any) -> str:
+    v1 = config.trainer.get("v1", None)
+    return str(v1.get("trainer_mode", "sync")) if v1 is not None else "sync"
 
 
 def _engine_problems(actor_rollout_ref: Any) -> list[str]:
@@ -198,22 +226,28 @@ def _fused_refusal(strategy: str, model: Any) -> str | None:
         return f"the {backend} backend's kernel gives no Σπ²" + keep_fused
     if backend == "liger" and importlib.util.find_spec("liger_kernel") is not None:
         return "liger-kernel is installed, so the liger backend runs liger's kernel, which gives no Σπ²" + keep_fused
-    if _is_vision_language(model.get("path", None)):
+    hf_config = _local_hf_config(model.get("path", None))
+    if hf_config is None:
+        return None
+    if "vision_config" in hf_config or hf_config.get("model_type") in VISION_LANGUAGE_TYPES:
         return "a vision-language model: verl's fused forward for it is not covered"
+    rescaled = verl_fused.logit_rescaling(hf_config)
+    if rescaled is not None:
+        return f"the model's head rescales or caps its logits ({rescaled}), which verl's fused forward does not apply"
     return None
 
 
-def _is_vision_language(path: Any) -> bool:
-    """Whether the model at ``path`` (a local directory with config.json) is vision-language; False if unreadable
-    (the engine then refuses at the first old-log-prob pass instead)."""
+def _local_hf_config(path: Any) -> dict | None:
+    """config.json of the model at ``path`` (a local directory), or None if unreadable (the engine then checks the
+    loaded model at the first old-log-prob pass instead)."""
     config_file = Path(str(path)) / "config.json" if path else None
     if config_file is None or not config_file.is_file():
-        return False
+        return None
     try:
         hf_config = json.loads(config_file.read_text())
     except (OSError, ValueError):
-        return False
-    return "vision_config" in hf_config or hf_config.get("model_type") in VISION_LANGUAGE_TYPES
+        return None
+    return hf_config if isinstance(hf_config, dict) else None
 
 
 def _environment_problems(config: Any) -> list[str]:
@@ -240,9 +274,9 @@ def _environment_problems(config: Any) -> list[str]:
 def _missing_inputs_message(registered: str) -> str:
     return (
         f"{registered} needs sum_pi_squared and old_log_probs, which verl did not pass. Set "
-        "trainer.use_v1=false, actor_rollout_ref.actor.calculate_sum_pi_squared=true, "
-        "algorithm.rollout_correction.bypass_mode=false and actor_rollout_ref.model.use_fused_kernels=false (or its "
-        "torch backend on the FSDP engine)"
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=true and algorithm.rollout_correction.bypass_mode=false; "
+        "fused kernels need the FSDP engine's torch backend. `python -m otb_ref.integrations.verl --check "
+        "[your overrides]` lists every key to change"
         + ("" if _route_installed else f"; and use a tested verl {TESTED_VERL} (found {_verl_version()})")
     )
 
@@ -343,7 +377,7 @@ def install() -> None:
     """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
     ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``, and install the fused-kernel route
     for Σπ² (:func:`otb_ref.integrations.verl_fused.install`). Idempotent."""
-    global _route_installed, _fused_route_installed
+    global _route_installed, _fused_route_installed, _v1_route_installed
     from verl.trainer.ppo import core_algos
 
     for registered in registered_names():
@@ -366,3 +400,12 @@ def install() -> None:
     _fused_route_installed = verl_fused.install()
     if not _fused_route_installed:
         _log.warning("otb_ref: verl's fused LM-head path is not the expected one: no Σπ² with fused kernels")
+    _v1_route_installed = verl_v1.install()
+    if not _v1_route_installed and not verl_v1.opted_out():
+        _log.warning("otb_ref: verl's V1 trainer is not the expected one: no Σπ² on trainer.use_v1=true")
+
+
+if __name__ == "__main__":  # python -m otb_ref.integrations.verl --check [hydra overrides…]
+    from otb_ref.integrations.verl_check import main
+
+    raise SystemExit(main())

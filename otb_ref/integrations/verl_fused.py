@@ -3,7 +3,8 @@
 verl's fused forward computes the log-probs and entropy chunk by chunk from the last hidden states and the LM-head
 weight, so no ``[T, V]`` logits exist; its FSDP engine therefore refuses ``calculate_sum_pi_squared`` there.
 :func:`install` adds Σπ² to that same chunk loop (one LM-head matmul per chunk: ``log π(y)``, the entropy and
-``Σ_v π_v²`` all come from one ``softmax`` of it) by wrapping four functions of verl:
+``Σ_v π_v²`` all come from one ``softmax`` of it) by wrapping four functions of verl, and a fifth for the
+non-fused path:
 
 1. ``dense_common.forward_with_torch_backend`` (the forward verl's monkey patch gives text models for the torch and
    liger backends): with the keyword ``otb_ref_sum_pi_squared=True`` it runs the model with Σπ² requested and
@@ -13,10 +14,14 @@ weight, so no ``[T, V]`` logits exist; its FSDP engine therefore refuses ``calcu
 3. ``FSDPEngineWithLMHead.prepare_model_inputs``: adds that keyword when the micro-batch asks for Σπ² with fused
    kernels, after checking that the model's forward is the wrapped one (else it refuses, naming the keys);
 4. ``FSDPEngineWithLMHead.prepare_model_outputs``: lays Σπ² out as the log-probs (remove-padding on and off)
-   instead of raising.
+   instead of raising;
+5. ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (verl's own Σπ² of its non-fused path): in
+   fp32 with autocast off, 512 rows at a time (:func:`_full_logits_in_fp32`); under verl's default bf16 autocast
+   verl's formula ran in bf16.
 
-A run that does not ask for Σπ² with fused kernels goes through verl's functions unchanged. The forward wrap takes
-effect for models built after :func:`install` (verl's monkey patch reads the module attribute when it patches).
+A run that does not ask for Σπ² with fused kernels goes through verl's functions 1–4 unchanged. The forward wrap
+takes effect for models built after :func:`install` (verl's monkey patch reads the module attribute when it
+patches).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 
 import torch
 
-__all__ = ["chunk_statistics", "install", "FLAG"]
+__all__ = ["chunk_statistics", "install", "FLAG", "logit_rescaling"]
 
 FLAG = "otb_ref_sum_pi_squared"  # the model keyword that asks the wrapped fused forward for Σπ²
 _MARK = "_otb_ref_sum_pi_squared"
@@ -34,15 +39,46 @@ _REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("otb_ref_
 KEYS_TO_CHANGE = (
     "set actor_rollout_ref.model.use_fused_kernels=false or actor_rollout_ref.actor.calculate_sum_pi_squared=false"
 )
+# Hugging Face config keys by which a model's head rescales or caps its logits (Granite, Cohere, Gemma2/3...), with
+# the values that leave them unchanged. verl 0.9.1's fused forward applies none of them, so its log-probs and the
+# route's Σπ² would be those of other logits.
+LOGIT_RESCALING_NO_OP = {"logits_scaling": (None, 1.0), "logit_scale": (None, 1.0), "final_logit_softcapping": (None,)}
+# Model types whose default (a key absent from config.json) rescales: transformers' config classes.
+LOGIT_RESCALING_DEFAULTS = {
+    "cohere": ("logit_scale", 0.0625),
+    "cohere2": ("logit_scale", 0.0625),
+    "gemma2": ("final_logit_softcapping", 30.0),
+    "gemma3n": ("final_logit_softcapping", 30.0),
+    "gemma3n_text": ("final_logit_softcapping", 30.0),
+}
+
+
+def logit_rescaling(hf_config: dict) -> str | None:
+    """``"key=value"`` by which a Hugging Face config (a dict, as config.json or ``config.to_dict()``; its
+    ``text_config`` too) rescales or caps the logits, or None."""
+    for section in (hf_config, hf_config.get("text_config") or {}):
+        values = dict(section)
+        default = LOGIT_RESCALING_DEFAULTS.get(section.get("model_type"))
+        if default is not None and default[0] not in values:
+            values[default[0]] = default[1]
+        for key, no_op in LOGIT_RESCALING_NO_OP.items():
+            if key in values and values[key] not in no_op:
+                return f"{key}={values[key]}"
+    return None
 
 
 def chunk_statistics(hidden, weight, labels, temperature: float, chunk_size: int, cross_entropy=None):
     """``(log π(labels), entropy, Σπ²)`` of ``softmax(hidden @ weightᵀ / temperature)``, ``chunk_size`` rows at a time.
 
-    The log-probs and entropy are computed with the operations of verl 0.9.1's fused torch backend (fp32 softmax of
-    each chunk's logits; ``cross_entropy``, verl's flash-attn kernel where it uses one, else ``log_softmax``), so
-    they are its numbers; Σπ² is ``Σ_v π_v²`` of the same ``π``. hidden: ``[..., d]``; weight: ``[V, d]``; labels:
-    ``[...]``. Returns three tensors shaped like ``labels``: fp32, hidden's dtype (as verl), fp32.
+    The LM-head matmul and the temperature division run as in verl 0.9.1's fused torch backend, under whatever
+    autocast the caller set (verl's FSDP engine runs its forward under bf16 autocast by default): so the logits
+    are verl's. Everything after them runs in fp32 with autocast off: the softmax, verl's log-probs and entropy
+    (the same fp32 operations as verl's, so the same numbers; ``cross_entropy`` is verl's flash-attn kernel where
+    it uses one, else ``log_softmax``) and ``Σ_v π_v²`` of the same ``π``, a reduction that autocast would
+    otherwise run as a bf16 matmul (bf16's 8-bit significand: relative errors up to ~1e-2, so the energy
+    ``1 − 2π + Σπ²`` of a confident token is wrong by more than itself, often negative).
+    hidden: ``[..., d]``; weight: ``[V, d]``; labels: ``[...]``. Returns three
+    tensors shaped like ``labels``: fp32, hidden's dtype (as verl), fp32.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
@@ -52,17 +88,18 @@ def chunk_statistics(hidden, weight, labels, temperature: float, chunk_size: int
     sum_pi_squared = torch.empty(rows, device=hidden.device, dtype=torch.float32)
     for start in range(0, rows, chunk_size):
         part = slice(start, min(start + chunk_size, rows))
-        logits = (flat_hidden[part] @ weight.t()) / temperature  # the chunk's one LM-head matmul
+        logits = (flat_hidden[part] @ weight.t()) / temperature  # the chunk's one LM-head matmul, as verl's
         logits_dtype = logits.dtype
-        logits = logits.to(torch.float32)
-        probs = logits.softmax(dim=-1)
-        entropy[part] = (torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)).to(logits_dtype)
-        sum_pi_squared[part] = torch.einsum("rv,rv->r", probs, probs)  # a reduction: no third [c, V] buffer
-        del probs
-        if cross_entropy is not None:
-            log_probs[part] = -cross_entropy(logits, flat_labels[part])[0]
-        else:
-            log_probs[part] = logits.log_softmax(dim=-1).gather(-1, flat_labels[part].unsqueeze(-1)).squeeze(-1)
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            logits = logits.to(torch.float32)
+            probs = logits.softmax(dim=-1)
+            entropy[part] = (torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)).to(logits_dtype)
+            sum_pi_squared[part] = torch.einsum("rv,rv->r", probs, probs)  # fp32; no third [c, V] buffer
+            del probs
+            if cross_entropy is not None:
+                log_probs[part] = -cross_entropy(logits, flat_labels[part])[0]
+            else:
+                log_probs[part] = logits.log_softmax(dim=-1).gather(-1, flat_labels[part].unsqueeze(-1)).squeeze(-1)
     return log_probs.view(labels.shape), entropy.view(labels.shape), sum_pi_squared.view(labels.shape)
 
 
@@ -129,6 +166,13 @@ def require_route(module: torch.nn.Module) -> None:
         backend = getattr(model, "_verl_fused_kernels_backend", None)
         if backend is None:
             continue
+        config = getattr(model, "config", None)
+        rescaled = logit_rescaling(config.to_dict()) if hasattr(config, "to_dict") else None
+        if rescaled is not None:
+            raise NotImplementedError(
+                f"otb_ref: Σπ² with fused kernels: {type(model).__name__}'s head rescales or caps its logits "
+                f"({rescaled}), which verl's fused forward does not apply: {KEYS_TO_CHANGE}"
+            )
         if backend in ("torch", "liger") and getattr(type(model).forward, _MARK, False):
             return
         raise NotImplementedError(
@@ -189,10 +233,34 @@ def _prepare_outputs(original):
     return prepare_model_outputs
 
 
+def _full_logits_in_fp32(original):
+    """verl's ``calculate_sum_pi_squared_from_logits`` (its non-fused FSDP path) in fp32 with autocast off.
+
+    Under verl's default bf16 autocast the LM head returns bf16 logits, and verl's
+    ``exp(logsumexp(2x) − 2 logsumexp(x))`` then runs in bf16: its exponent's rounding (logsumexp ~ 1e2 has a bf16
+    spacing of 0.5) makes Σπ² wrong by up to tens of percent. Here each block of 512 rows is upcast and reduced as
+    ``Σ softmax²`` in fp32, so no ``[T, V]`` fp32 copy is made (on fp32 logits: verl's values up to its formula's
+    rounding, ~1e-6 relative)."""
+
+    @functools.wraps(original)
+    def calculate_sum_pi_squared_from_logits(logits):
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty(flat.shape[0], device=logits.device, dtype=torch.float32)
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            for start in range(0, flat.shape[0], 512):
+                probs = flat[start : start + 512].float().softmax(dim=-1)
+                out[start : start + 512] = torch.einsum("rv,rv->r", probs, probs)
+        return out.view(logits.shape[:-1])
+
+    setattr(calculate_sum_pi_squared_from_logits, _MARK, True)
+    return calculate_sum_pi_squared_from_logits
+
+
 def install() -> bool:
     """Put the route in place (idempotent); ``False`` where verl's functions are not the expected ones."""
     try:
         from verl.models.transformers import dense_common
+        from verl.utils import torch_functional as verl_functional
         from verl.utils.experimental import torch_functional as functional
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:
@@ -202,6 +270,7 @@ def install() -> bool:
         (functional.FusedLinearForPPO, "forward", lambda f: _fused_linear_forward(f, functional)),
         (FSDPEngineWithLMHead, "prepare_model_inputs", _prepare_inputs),
         (FSDPEngineWithLMHead, "prepare_model_outputs", _prepare_outputs),
+        (verl_functional, "calculate_sum_pi_squared_from_logits", _full_logits_in_fp32),
     )
     if any(getattr(owner, name, None) is None for owner, name, _ in wraps):
         return False

@@ -43,3 +43,39 @@ def test_gpu_flag_without_cuda_is_one_clear_line():
     )
     assert out.returncode != 0 and out.stdout == ""
     assert out.stderr.strip().startswith("--gpu: CUDA is not available") and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_advantages_vs_commit_quick_times_both_trees(tmp_path):
+    """`benchmarks/advantages_vs_commit.py --quick` (any load) times this tree and the base commit's otb_ref in
+    separate processes, one record per round naming the otb_ref each imported, and one summary per shape. The base
+    here is HEAD (a shallow clone may lack 78958c0, the default)."""
+    import pytest
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("no git history: the benchmark extracts the base commit's otb_ref with git archive")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "advantages_vs_commit.py"),
+            "--quick",
+            "--allow-load",
+            "--rounds=1",
+            "--repeats=1",
+            "--estimator=otb",
+            "--base=HEAD",
+            f"--out={tmp_path / 'records.jsonl'}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert records == [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rounds = [r for r in records if "round" in r]
+    assert len(rounds) == 2 and len([r for r in records if r.get("summary")]) == 2
+    for record in rounds:
+        assert Path(record["head_otb_ref"]).is_relative_to(ROOT)
+        assert not Path(record["base_otb_ref"]).is_relative_to(ROOT)
+        assert record["head_seconds"] > 0 and record["base_seconds"] > 0 and "base_load_1min" in record
+    assert records[0]["base"] == "HEAD" and records[0]["threads"] == 2

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from reference import reference_advantages
 from strategies import rollout_batches
 
-from otb_ref import ESTIMATORS, Estimator, compute_advantages
+from otb_ref import ESTIMATORS, Estimator, compute_advantages, readable
 
 pytestmark = pytest.mark.usefixtures("row_blocking")
 
@@ -116,6 +116,41 @@ def test_leave_one_out_with_a_dominant_row_in_fp32():
         # Row 0's baseline is (v_1 · 2 + ε · 2) / (v_1 + ε) = 2, row 1's return (a mean of one member, THEORY §3),
         # although v_1 = 1000 · 0.5 · 1.24e-4² ≈ 7.7e-6 is ~1e-6 of v_0.
         assert abs(float(ret[0, 0] - adv[0, 0]) - 2.0) < 1e-6, dtype
+
+
+@pytest.mark.parametrize("name", ["opo", "sequence_proxy", "eob"])
+def test_sequence_weight_v_is_fp64_in_fp32(name):
+    """The precision rule for ``v`` (PORTING item 5): fp32 inputs give ``w`` in fp32, then ``v = Σ_t m_t w_t`` in
+    fp64, never rounded to fp32 before the baseline. The fast path equals the readable form and a direct fp64
+    statement bit for bit, and ``v`` rounded to fp32 would change some advantages of this draw (so the test can fail).
+    """
+    g = torch.Generator().manual_seed(0)
+    batch, length = 64, 48
+    rho, rewards = torch.rand(batch, length, generator=g) * 2, torch.rand(batch, length, generator=g)
+    mask, index = torch.ones(batch, length), [i // 8 for i in range(batch)]
+    w = (rho * rho).double()  # opo with IS weights: w_t = ρ̄_t², an fp32 product, exact in fp64
+    inputs = dict(rollout_is_weights=rho)
+    if name == "sequence_proxy":  # π = 1/2 and Σπ² = 1/2: w_t = 1/2 exactly, times ρ̄_t²
+        half = torch.full((batch, length), 0.5)
+        inputs.update(old_log_probs=half.log(), sum_pi_squared=half)
+        w = w / 2
+    if name == "eob":  # v = grad_norms_sq, fp32 values whose sums in fp64 are not fp32 numbers
+        inputs = dict(grad_norms_sq=w.sum(-1).float() * (1 + torch.rand(batch, generator=g)))
+        w = inputs["grad_norms_sq"].double()[:, None]
+    fast, _ = compute_advantages(name, rewards, mask, index, **inputs)
+    plain, _ = readable.advantages(name, rewards, mask, index, **inputs)
+    R = rewards.double().sum(-1)
+
+    def direct(v):  # b = Σ v R / Σ v over each group of 8 (ε = 1e-8 for the energies proxy and exact)
+        eps = 0.0 if name == "opo" else 1e-8
+        v, R8 = v.view(-1, 8), R.view(-1, 8)
+        b = ((v * R8).sum(-1, keepdim=True) + eps * R8.mean(-1, keepdim=True)) / (v.sum(-1, keepdim=True) + eps)
+        return (R8 - b).flatten().float()
+
+    v = w.sum(-1)
+    assert torch.equal(fast[:, 0], plain[:, 0]) and torch.equal(fast[:, 0], direct(v))
+    if name != "eob":  # eob's v is the caller's fp32 value: rounding it again changes nothing
+        assert not torch.equal(direct(v.float().double()), direct(v))
 
 
 @given(rollout_batches(max_group_size=64, max_groups=2, max_length=4), st.sampled_from(sorted(ESTIMATORS)))

@@ -121,7 +121,7 @@ def test_table_score_is_killed_over_mutants_less_equivalent(tmp_path):
     records += [_record("left out", "x")]
     same = {**_record("survived", "s1"), "reason": "why"}
     (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
-    assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 1 | 85.7 |"
+    assert row == "| `otb_ref/proxy.py` | 8 | 6 | 1 | 0 | 0 | 1 | 0 | 85.7 | 85.7 |"
 
 
 def test_an_equivalent_with_a_line_covers_that_line_only(tmp_path):
@@ -129,7 +129,7 @@ def test_an_equivalent_with_a_line_covers_that_line_only(tmp_path):
     records = [_record("survived", "s", line=3), _record("survived", "s", line=9)]
     same = {**_record("survived", "s"), "line": 9, "reason": "why"}
     (row,) = [line for line in score.table(_results(tmp_path, records, [same])).splitlines() if "| `otb" in line]
-    assert row == "| `otb_ref/proxy.py` | 2 | 0 | 1 | 1 | 0.0 |"
+    assert row == "| `otb_ref/proxy.py` | 2 | 0 | 1 | 0 | 0 | 1 | 0 | 0.0 | 0.0 |"
 
 
 def test_docs_show_the_committed_results_table():
@@ -142,9 +142,15 @@ def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
     path = score.EQUIVALENT
     if not path.exists():
         pytest.skip("no equivalent mutants listed")
-    survivors = [r for _, records in score.load_results().values() for r in records if r["outcome"] == "survived"]
+    results = score.load_results()
+    survivors = [r for _, records in results.values() for r in records if r["outcome"] == "survived"]
+    # A module whose run is under way (mutants pending) has not judged its listed equivalents yet: each is checked
+    # once its module's results are complete (tools/mutation_score.py prunes the killed ones then).
+    running = {path for name, (path, _) in score.MODULES.items() if name in results and results[name][0]["pending"]}
     for entry in json.loads(path.read_text()):
         assert entry["reason"].strip(), entry
+        if any(entry["file"] == p or entry["file"].startswith(p + "/") for p in running):
+            continue
         listed = {(*score.equivalent_key(entry), entry.get("line"))}
         assert any(score.is_equivalent(r, listed) for r in survivors), f"stale entry (no such survivor): {entry}"
 

@@ -5,6 +5,7 @@ a test fails when the installed package lacks it.
 """
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 import textwrap
@@ -45,15 +46,16 @@ def test_bare_import_verl_registers_every_name_and_the_route():
         import verl.utils.config as config
         names = sorted(n for n in core_algos.ADV_ESTIMATOR_REGISTRY if n.startswith("otb_ref."))
         print(",".join(names))
+        from otb_ref.integrations import verl as plugin
         print(ray_trainer.compute_advantage._otb_ref_route, utils.compute_advantage._otb_ref_route,
-              config.validate_config._otb_ref_check)
+              config.validate_config._otb_ref_check, plugin._fused_route_installed, plugin._v1_route_installed)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     names, flags = out.stdout.strip().splitlines()[-2:]
     assert names.split(",") == sorted(plugin.registered_names())
-    assert flags == "True True True"
+    assert flags == "True True True True True"
 
 
 def _batch(seed: int, with_is: bool, with_proxy: bool = True, B: int = 12, T: int = 9) -> DataProto:
@@ -147,7 +149,7 @@ def test_other_estimators_still_go_to_verl():
 @pytest.mark.parametrize("name", ["otb", "sequence_proxy"])
 def test_proxy_name_without_sum_pi_squared_names_the_config_keys(name):
     data = _batch(seed=5, with_is=False, with_proxy=False)
-    with pytest.raises(ValueError, match="calculate_sum_pi_squared=true.*use_fused_kernels=false"):
+    with pytest.raises(ValueError, match="calculate_sum_pi_squared=true.*--check"):
         ray_trainer.compute_advantage(data, adv_estimator=f"otb_ref.{name}", config=OmegaConf.create({}))
 
 
@@ -177,16 +179,13 @@ def _full_config(**overrides):
 
 
 def test_config_problems_name_every_key_to_set_before_training():
-    """The check ``validate_config`` runs: V1 default and no Σπ² are refused for otb, with the keys to set."""
+    """The check ``validate_config`` runs: no Σπ² is refused for otb, with the key to set; the default V1 trainer
+    is fine (otb_ref's V1 route), and so is the legacy one."""
     problems = plugin.config_problems(_full_config(**{"algorithm.adv_estimator": "otb_ref.otb"}))
-    assert any("trainer.use_v1=false" in p for p in problems)
-    assert any("calculate_sum_pi_squared=true" in p for p in problems)
-    fixed = {
-        "algorithm.adv_estimator": "otb_ref.otb",
-        "trainer.use_v1": False,
-        "actor_rollout_ref.actor.calculate_sum_pi_squared": True,
-    }
+    assert problems == ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
+    fixed = {"algorithm.adv_estimator": "otb_ref.otb", "actor_rollout_ref.actor.calculate_sum_pi_squared": True}
     assert plugin.config_problems(_full_config(**fixed)) == []
+    assert plugin.config_problems(_full_config(**fixed, **{"trainer.use_v1": False})) == []
     fused = {"actor_rollout_ref.model.use_fused_kernels": True}  # the torch backend: otb_ref's route (test_verl_fused)
     assert plugin.config_problems(_full_config(**fixed, **fused)) == []
     triton = {**fused, "actor_rollout_ref.model.fused_kernel_options.impl_backend": "triton"}
@@ -195,11 +194,50 @@ def test_config_problems_name_every_key_to_set_before_training():
     assert "unsupported" in plugin.config_problems(_full_config(**{"algorithm.adv_estimator": "otb_ref.eob"}))[0]
 
 
+@pytest.mark.parametrize("name", plugin.VERL_PROXY_ESTIMATORS)
+def test_verls_own_otb_is_checked_like_ours(name):
+    """verl's own OTB needs Σπ² too: refused at validation without it (verl itself stops only at the first
+    advantage step, after rollout); fine with it, on V1 as on legacy."""
+    problems = plugin.config_problems(_full_config(**{"algorithm.adv_estimator": name}))
+    assert problems == ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
+    fixed = {"algorithm.adv_estimator": name, "actor_rollout_ref.actor.calculate_sum_pi_squared": True}
+    assert plugin.config_problems(_full_config(**fixed)) == []
+    assert plugin.config_problems(_full_config(**{"algorithm.adv_estimator": "grpo"})) == []
+
+
 def test_validate_config_refuses_before_training():
-    """verl's ``validate_config`` (the wrapped one main_ppo imports) raises for otb on the default V1 trainer."""
+    """verl's ``validate_config`` (the wrapped one main_ppo imports) raises for otb without Σπ², on the default V1
+    trainer, naming the key."""
     import verl.utils.config as config_module
 
-    with pytest.raises(ValueError, match="otb_ref.otb cannot run with this config; set: .*trainer.use_v1=false"):
+    with pytest.raises(ValueError, match="otb_ref.otb cannot run with this config; set: .*calculate_sum_pi_squared"):
         config_module.validate_config(
             _full_config(**{"algorithm.adv_estimator": "otb_ref.otb"}), use_reference_policy=False, use_critic=False
         )
+
+
+def test_opting_out_of_the_v1_route_leaves_verl_alone_and_refuses_proxies_on_v1():
+    """``OTB_REF_VERL_V1_ROUTE=0`` (a fresh interpreter): V1's methods are verl's, and otb on V1 is refused with
+    the way back; on legacy it still runs."""
+    code = textwrap.dedent(
+        """
+        import verl
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo.v1 import trainer_base
+        from otb_ref.integrations import verl as plugin
+        config = OmegaConf.load(f"{verl.__path__[0]}/trainer/config/_generated_ppo_trainer.yaml")
+        OmegaConf.update(config, "algorithm.adv_estimator", "otb_ref.otb")
+        OmegaConf.update(config, "actor_rollout_ref.actor.calculate_sum_pi_squared", True)
+        print(hasattr(trainer_base.PPOTrainer._compute_advantage, "__wrapped__"), plugin._v1_route_installed)
+        print(plugin.config_problems(config))
+        OmegaConf.update(config, "trainer.use_v1", False)
+        print(plugin.config_problems(config))
+        """
+    )
+    env = {**os.environ, "OTB_REF_VERL_V1_ROUTE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flags, v1, legacy = out.stdout.strip().splitlines()[-3:]
+    assert flags == "False False"
+    assert "unset OTB_REF_VERL_V1_ROUTE or trainer.use_v1=false" in v1
+    assert legacy == "[]"

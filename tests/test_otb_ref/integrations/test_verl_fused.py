@@ -56,7 +56,7 @@ def restore_verl_patches():
     """verl's monkey patch replaces class attributes (each model class's forward, flash-attention's function)."""
     from transformers.integrations import flash_attention
 
-    saved = {cls: cls.forward for cls in CLASSES.values()}
+    saved = {cls: cls.forward for cls in (*CLASSES.values(), transformers.GraniteForCausalLM)}
     flash = flash_attention._flash_attention_forward
     yield
     for cls, forward in saved.items():
@@ -210,6 +210,113 @@ def test_chunk_statistics_equal_verls_fused_values_and_otb_refs_sum_pi_squared(t
     torch.testing.assert_close(entropy, verl_entropy, rtol=0, atol=0)
     _, want = logprobs_and_sum_pi_squared(hidden, weight, labels, temperature=temperature)
     torch.testing.assert_close(spsq, want, **FP32)
+
+
+def _integer_head(rows: int = 400, d: int = 8, V: int = 50, seed: int = 0):
+    """Hidden states and LM-head weights of small integers: their logits are integers below 256, exact in bf16, so a
+    matmul under bf16 autocast gives the fp32 logits and the fp64 reference below is the exact one."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-4, 5, (rows, d), generator=generator).float()
+    weight = torch.randint(-4, 5, (V, d), generator=generator).float()
+    logits = hidden.double() @ weight.double().t()
+    labels = logits.argmax(-1)  # the most likely token: many rows have π(y) > 0.99
+    return hidden, weight, labels, logits
+
+
+@pytest.mark.parametrize("chunk_size", [7, 512])
+def test_chunk_statistics_are_exact_under_bf16_autocast(chunk_size):
+    """verl's FSDP engine runs the forward under bf16 autocast by default. Under CPU bf16 autocast the route's Σπ²
+    and energy 1 − 2π + Σπ² equal the exact ones within 1e-6 (a bf16 reduction was off by ~5e-3 and made confident
+    tokens' energies negative); positive where 0.99 < π(y) < 0.999 (energy ≥ (1 − π)² ≥ 1e-6), never below
+    fp32 rounding (−1e-7) where π(y) → 1; log-probs and entropy are verl's own fused ones under the same autocast."""
+    hidden, weight, labels, logits = _integer_head()
+    pi = logits.softmax(-1)
+    p_label = pi.gather(-1, labels[:, None]).squeeze(-1)
+    exact = 1 - 2 * p_label + pi.square().sum(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log_probs, entropy, spsq = verl_fused.chunk_statistics(hidden, weight, labels, 1.0, chunk_size)
+        verl_log_probs, verl_entropy = verl_functional.FusedLinearForPPOFunction.apply(
+            hidden, weight, labels, 1.0, chunk_size
+        )
+    energy = 1 - 2 * log_probs.double().exp() + spsq.double()
+    assert spsq.dtype == torch.float32
+    assert float((energy - exact).abs().max()) <= 1e-6
+    confident = (p_label > 0.99) & (p_label < 0.999)
+    assert int(confident.sum()) >= 20 and bool((energy[confident] > 0).all())
+    assert float(energy.min()) >= -1e-7
+    torch.testing.assert_close(log_probs, verl_log_probs, rtol=0, atol=0)
+    torch.testing.assert_close(entropy, verl_entropy, rtol=0, atol=0)
+    # The reduction left to autocast (the route before issue 37): a bf16 matmul, off by more than 1e-3.
+    probs = logits.float().softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_spsq = torch.einsum("rv,rv->r", probs, probs)
+    bf16_energy = 1 - 2 * log_probs.double().exp() + bf16_spsq.double()
+    assert float((bf16_energy - exact).abs().max()) > 1e-3 and bool((bf16_energy < -1e-4).any())
+
+
+def test_verls_full_logits_sum_pi_squared_runs_in_fp32():
+    """verl's non-fused Σπ² (``calculate_sum_pi_squared_from_logits``), as the plugin wraps it: within 1e-6
+    (relative) of the exact Σπ² on fp32 and on bf16 logits; verl's own formula is within 1e-5 on fp32 logits (its
+    exp of a difference of log-sum-exps rounds more) and off by more than 1e-3 on bf16 ones; 700 rows cross the
+    512-row blocks."""
+    wrapped = verl_torch_functional.calculate_sum_pi_squared_from_logits
+    verls = wrapped.__wrapped__
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 350, 50, generator=generator) * 6
+    exact = logits.double().softmax(-1).square().sum(-1)
+    assert float(((wrapped(logits).double() - exact) / exact).abs().max()) <= 1e-6
+    assert float(((verls(logits).double() - exact) / exact).abs().max()) <= 1e-5
+    bf16 = logits.to(torch.bfloat16)
+    exact = bf16.double().softmax(-1).square().sum(-1)
+    assert wrapped(bf16).dtype == torch.float32
+    assert float(((wrapped(bf16).double() - exact) / exact).abs().max()) <= 1e-6
+    assert float(((verls(bf16).double() - exact) / exact).abs().max()) > 1e-3
+
+
+RESCALING = {
+    "granite": ({"model_type": "granite", "logits_scaling": 8.0}, "logits_scaling=8.0"),
+    "cohere_default": ({"model_type": "cohere"}, "logit_scale=0.0625"),
+    "cohere2": ({"model_type": "cohere2", "logit_scale": 0.25}, "logit_scale=0.25"),
+    "gemma2_default": ({"model_type": "gemma2"}, "final_logit_softcapping=30.0"),
+    "gemma3_text_config": (
+        {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "final_logit_softcapping": 30.0}},
+        "final_logit_softcapping=30.0",
+    ),
+    "any_model_with_the_key": ({"model_type": "mine", "final_logit_softcapping": 50.0}, "final_logit_softcapping"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESCALING))
+def test_models_whose_head_rescales_logits_are_refused_with_fused_kernels(case, tmp_path):
+    """verl's fused forward applies no logit scaling or soft-capping: such a model (config key, or its model type's
+    default) is refused at validation with fused kernels, and fine without."""
+    hf_config, pattern = RESCALING[case]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    problems = plugin.config_problems(_config(**{"actor_rollout_ref.model.path": str(tmp_path)}))
+    assert len(problems) == 1 and "rescales or caps its logits" in problems[0] and pattern in problems[0]
+    assert "use_fused_kernels=false" in problems[0]
+    unfused = {"actor_rollout_ref.model.path": str(tmp_path), "actor_rollout_ref.model.use_fused_kernels": False}
+    assert plugin.config_problems(_config(**unfused)) == []
+
+
+@pytest.mark.parametrize(
+    "hf_config",
+    [{"model_type": "granite", "logits_scaling": 1.0}, {"model_type": "gemma3_text", "final_logit_softcapping": None}],
+)
+def test_no_op_rescaling_values_are_accepted(hf_config, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    assert plugin.config_problems(_config(**{"actor_rollout_ref.model.path": str(tmp_path)})) == []
+
+
+def test_a_rescaling_model_is_refused_at_the_pass_when_validation_cannot_read_it(restore_verl_patches):
+    """A model path validation cannot read (a hub id): the engine's first fused old-log-prob pass refuses it."""
+    config = transformers.GraniteConfig(logits_scaling=4.0, **{k: v for k, v in SIZES.items()})
+    model = transformers.GraniteForCausalLM(config).eval()
+    monkey_patch.apply_monkey_patch(
+        model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend="torch"
+    )
+    with pytest.raises(NotImplementedError, match="rescales or caps its logits .logits_scaling=4.0"):
+        _old_log_prob_pass(model, _rollout(), True, True, True)
 
 
 def test_runs_that_do_not_ask_go_through_verls_functions(restore_verl_patches):
