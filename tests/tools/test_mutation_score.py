@@ -142,9 +142,13 @@ def test_every_listed_equivalent_is_a_surviving_mutant_with_a_reason():
     path = score.EQUIVALENT
     if not path.exists():
         pytest.skip("no equivalent mutants listed")
-    survivors = [r for _, records in score.load_results().values() for r in records if r["outcome"] == "survived"]
+    done = score.load_results()
+    survivors = [r for _, records in done.values() for r in records if r["outcome"] == "survived"]
+    running = {score.MODULES[name][0] for name, (header, _) in done.items() if header["pending"]}
     for entry in json.loads(path.read_text()):
         assert entry["reason"].strip(), entry
+        if any(entry["file"].startswith(path) for path in running):
+            continue  # a module still being run: its entry may be a mutant not judged yet
         listed = {(*score.equivalent_key(entry), entry.get("line"))}
         assert any(score.is_equivalent(r, listed) for r in survivors), f"stale entry (no such survivor): {entry}"
 
