@@ -334,13 +334,18 @@ def _check_block(
     return clean, valid
 
 
-def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """``values`` where the mask is 1, zero elsewhere, whatever stood there.
+def _apply_mask(
+    values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None, fresh: bool = False
+) -> torch.Tensor:
+    """``values`` where the mask is 1, zero elsewhere, whatever stood there (in place when ``fresh``: a tensor of
+    this function's caller, never the user's).
 
     Multiplying by the 0/1 mask is exact when every entry is finite (``clean``);
     otherwise ``where`` drops NaN and inf off the mask.
     """
-    return values * mask if clean else torch.where(valid, values, 0.0)
+    if clean:
+        return values.mul_(mask) if fresh else values * mask
+    return torch.where(valid, values, 0.0)
 
 
 def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -374,7 +379,7 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
     if spec.energy == "length" and "rollout_is_weights" not in values:
         w = mask  # w_t = 1 on the mask, already zero off it
     elif spec.energy in ("length", "proxy"):
-        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid)
+        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid, fresh=True)
     elif "cumulative_energy" in values:
         W = _apply_mask(values["cumulative_energy"], all_clean, mask, valid)  # ||S_t||², already realized
     return _Block(rows, mask, rewards, w, W)
@@ -528,12 +533,12 @@ def _token_block(
     elif spec.energy == "exact":
         W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
     else:
-        W = (
-            block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)
-        )  # W_t = Σ_{j≤t} w_j in fp64, zero where not alive
+        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j (fp64), 0 off the mask
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
     m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G)) if multi_turn else (mask, W, G)
-    sums = _GroupSums(*(groups.sum(x) for x in (m_s, W_s * G_s, W_s, m_s * G_s)))
+    product = W_s * G_s  # one buffer for both products
+    weighted = groups.sum(product)
+    sums = _GroupSums(groups.sum(m_s), weighted, groups.sum(W_s), groups.sum(torch.mul(m_s, G_s, out=product)))
     counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
     counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
@@ -551,7 +556,7 @@ def _token_block(
         tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
         token_position = back if multi_turn else torch.arange(length, device=mask.device)[None, :]
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
-    advantage = (G - baseline).mul_(mask)
+    advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
         applies = counted & (counts[group] >= 2)
         advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums.members, sums.total)[:, None])
