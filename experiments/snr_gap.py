@@ -1,6 +1,7 @@
 """Why do two measurements of OTB's SNR advantage over GRPO differ? (issue 28, "Gradient SNR across N")
 
-    python experiments/snr_gap.py --commit      # each setting's warm start if missing, its SNR record, the report
+    python experiments/snr_gap.py --commit      # each setting's warm start if missing (results/snr_gap_warm_start/,
+                                                # committed), its SNR record (committed), the report
     python experiments/snr_gap.py --quick       # seconds (the test suite)
 
 results/gradient_variance.md (copy_exact with 16-24-digit answers, width 64, warm start at a sampled exact-copy
@@ -34,7 +35,7 @@ import torch
 import variance_lr_pilot as pilot
 import warm_start
 
-from common import machine_name, write_report
+from common import machine_name, read_code_state, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,15 +55,19 @@ GROUP_SIZES = (2, 4, 8, 16, 32)
 PROMPTS, REPLICATES, PROMPT_SEED = 16, 24, 30_000
 
 
-def ensure_warm(name: str, setting, runs_dir: Path, quick: bool) -> Path:
+def ensure_warm(name: str, setting, warm_dir: Path, quick: bool, commit: bool = False) -> Path:
+    """The setting's warm start: the committed one of variance_lr, or ``warm_dir/name``, trained if missing (and
+    committed with ``commit``: a width-64 checkpoint is about 0.5 MB)."""
     (low, high), _, target = setting
     if target is None:
         return ROOT / "results" / "variance_lr_warm_start"
-    warm = runs_dir / name
+    warm = warm_dir / name
     if not (warm / "config.json").exists():
         extra = ["--steps", "10", "--hidden-size", "32", "--eval-prompts", "16"] if quick else ["--hidden-size", "64"]
         warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", str(low), str(high),
                          "--target-reward", str(target), "--eval-every", "2", *extra])  # fmt: skip
+        if commit:
+            pilot.commit_paths([warm], f"{warm.relative_to(ROOT)}: the warm start of snr_gap's {name}")
     return warm
 
 
@@ -140,6 +145,7 @@ def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes
     from otb_train.tasks import synthetic_problem
 
     lengths, max_new, _ = setting
+    code = read_code_state()  # the code this process started with (issue 38)
     lm = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
     problems = [synthetic_problem("copy_exact", PROMPT_SEED, i, copy_lengths=lengths) for i in range(prompts)]
     grads, rewards, started = [], [], time.perf_counter()
@@ -168,7 +174,7 @@ def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes
         "snr": stats["snr"].tolist(), "otb_over_grpo": (stats["snr"][otb] / stats["snr"][grpo]).tolist(),
         "otb_over_grpo_90": ratio_interval, "n_star": float(point), "n_star_90": interval,
         "n_star_never": float((~boot.isfinite()).double().mean()), "mean_reward": sum(rewards) / len(rewards),
-        "seconds": round(time.perf_counter() - started), "machine": machine_name(),
+        "seconds": round(time.perf_counter() - started), "machine": machine_name(), "code": code,
         **directional_statistics(torch.stack(grads), sizes),
     }  # fmt: skip
     if warm.name != "variance_lr_warm_start" and (warm / "warm_start.json").exists():
@@ -240,9 +246,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--commit", action="store_true")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "snr_gap")
+    parser.add_argument(
+        "--warm-dir", type=Path, default=ROOT / "results" / "snr_gap_warm_start", help="the trained warm starts"
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # a shared 2-core box: one thread per heavy process
     started, records_dir = time.perf_counter(), args.out_dir / "snr_gap"
     settings = QUICK_SETTINGS if args.quick else {k: SETTINGS[k] for k in args.settings}
     prompts, replicates, sizes = (2, 3, (2, 4)) if args.quick else (PROMPTS, REPLICATES, GROUP_SIZES)
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> Path:
         path = records_dir / f"{name}.json"
         if path.exists():
             continue
-        warm = ensure_warm(name, setting, args.runs_dir, args.quick)
+        warm = ensure_warm(name, setting, args.warm_dir, args.quick, args.commit)
         record = measure(name, setting, warm, prompts, replicates, sizes, "copy" if args.quick else "copy_exact")
         records_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
