@@ -242,6 +242,12 @@ def _interval(value: float, bounds) -> str:
     return f"{value:.3g} [{bounds[0]:.3g}, {bounds[1]:.3g}]"
 
 
+def _n_star(r: dict, key: str = "n_star") -> str:
+    """N* (or N*∥) with its interval over the bootstrap draws that reach the target, and the share that never do."""
+    never = r.get(f"{key}_never", 0.0)
+    return _interval(r[key], r[f"{key}_90"]) + (f"; never in {never:.0%} of draws" if never else "")
+
+
 def _warm_text(r: dict) -> str:
     warm = r.get("warm_start")
     return f"{warm['steps_run']}, {warm['final_sampled_reward']:.3f}" if warm else "committed, 0.414"
@@ -263,10 +269,10 @@ def report(records: list[dict], out_dir: Path, seconds: float, factor_records: l
     for r in records:
         ratios = " | ".join(_interval(v, b) for v, b in zip(r["otb_over_grpo"], r["otb_over_grpo_90"]))
         grpo = r["snr"][r["estimators"].index("grpo")]
-        par = _interval(r["n_star_par"], r["n_star_par_90"]) if "n_star_par" in r else "not measured"
+        par = _n_star(r, "n_star_par") if "n_star_par" in r else "not measured"
         sections.append(
             f"| {r['setting']} | {_warm_text(r)} | {r['mean_reward']:.3f} | {grpo[0]:.3g}, {grpo[-1]:.3g} "
-            f"| {_interval(r['n_star'], r['n_star_90'])} | {par} | {ratios} |"
+            f"| {_n_star(r)} | {par} | {ratios} |"
         )
     sections += ["", "SNR by estimator and N:", ""]
     for r in records:
@@ -303,7 +309,7 @@ def factor_sections(records: list[dict], factor_records: list[dict]) -> list[str
         lines.append(
             f"| {r['setting']} | {base} | {changed} | {_warm_text(r)} | {r['mean_reward']:.3f} "
             f"| {grpo[0]:.3g}, {grpo[-1]:.3g} | {min(ratios):.3g}-{max(ratios):.3g} "
-            f"| {_interval(r['n_star'], r['n_star_90'])} | {_interval(r['n_star_par'], r['n_star_par_90'])} |"
+            f"| {_n_star(r)} | {_n_star(r, 'n_star_par')} |"
         )
     not_run = [k for k in FACTORS if k not in {f["setting"] for f in factor_records}]
     if not_run and not any(f["setting"] in QUICK_FACTORS for f in factor_records):
