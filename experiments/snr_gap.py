@@ -283,6 +283,9 @@ def report(records: list[dict], out_dir: Path, seconds: float, factor_records: l
         sections.append("")
     sections += directional_sections(records)
     sections += factor_sections(records, list(factor_records))
+    timed = [*records, *factor_records]
+    sections += ["Seconds per record (the measurement, warm start excluded; each record's machine and code commit are "
+                 "in it): " + ", ".join(f"{r['setting']} {r['seconds']}" for r in timed) + "."]  # fmt: skip
     return write_report("snr_gap", "OTB vs GRPO gradient SNR: task length and warm start", sections, seconds, out_dir)
 
 
