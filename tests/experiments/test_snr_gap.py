@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -95,3 +96,43 @@ def test_prefix_reward_scores_a_response_that_begins_with_the_answer(tiny_sample
     assert sample.rewards.sum(dim=1).tolist() == expected
     assert any(t.startswith(a) and t != a for group, a in zip(groups, answers) for t in group)
     assert all(sample.rewards[i, int(n) - 1] == v for i, (n, v) in enumerate(zip(lengths, expected)))
+
+
+def _quoted(text: str, marker: str, label: str) -> list[str]:
+    """The first ``label = x [a, b]`` after ``marker`` in ``text``, as the printed strings."""
+    match = re.search(re.escape(label) + r" = ([0-9.]+) \[([0-9.]+), ([0-9.]+)\]", text[text.index(marker) :])
+    return list(match.groups())
+
+
+def _close(printed: str, value: float) -> bool:
+    """``printed`` is ``value`` rounded to the digits it shows."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return abs(float(printed) - value) <= 0.5 * 10**-decimals + 1e-12
+
+
+def test_results_md_quotes_the_committed_records():
+    text = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
+    records = {
+        p.stem: json.loads(p.read_text())
+        for p in [
+            *(ROOT / "results" / "snr_gap").glob("*.json"),
+            *(ROOT / "results" / "snr_gap_factors").glob("*.json"),
+        ]
+    }
+    quotes = [
+        ("1–4 digits (warm start 0.50)", "copy1_4", ("n_star", "n_star_par")),
+        ("7–15 digits (0.547)", "copy7_15", ("n_star", "n_star_par")),
+        ("16–24 digits (0.414)", "copy16_24", ("n_star", "n_star_par")),
+        ("A reward that does not require EOS", "copy7_15_prefix_reward", ("n_star", "n_star_par")),
+        ("A slower warm-start recipe", "copy1_4_warm_lr1e-3", ("n_star",)),
+    ]
+    for marker, name, keys in quotes:
+        for key in keys:
+            printed = _quoted(text, marker, {"n_star": "N*", "n_star_par": "N*∥"}[key])
+            values = [records[name][key], *records[name][f"{key}_90"]]
+            assert all(_close(p, v) for p, v in zip(printed, values)), (name, key, printed, values)
+    grpo = records["copy7_15"]["snr"][records["copy7_15"]["estimators"].index("grpo")]
+    low, high = re.search(r"([0-9.]+) → ([0-9.]+) here", text).groups()
+    assert _close(low, grpo[0]) and _close(high, grpo[-1])
+    never = re.search(r"never reached in (\d+)% of the bootstrap draws", text).group(1)
+    assert int(never) == round(100 * records["copy1_4_resampled"]["n_star_never"])
