@@ -79,15 +79,19 @@ def rerun(record: str, commit: str, out_dir: Path) -> Path:
 
 
 def compare(a: dict, b: dict) -> dict:
-    """Step by step: the first step at which any logged column differs, and each column's largest difference."""
-    columns, first, largest = a["columns"], None, {}
+    """Step by step: the first step at which any logged column differs, each column's largest difference, and
+    each aim measurement's (experiments/aimed_train.py's cosines and norms) largest difference."""
+    columns, first, largest, aim = a["columns"], None, {}, {}
     for row_a, row_b in zip(a["steps"], b["steps"]):
         for key, x, y in zip(columns, row_a, row_b):
             if x != y and first is None:
                 first = row_a[0]
             if isinstance(x, (int, float)) and isinstance(y, (int, float)):
                 largest[key] = max(largest.get(key, 0.0), abs(x - y))
-    return {"first_step": first, "largest": largest, "steps": (len(a["steps"]), len(b["steps"]))}
+    for line_a, line_b in zip(a.get("aim", []), b.get("aim", [])):
+        for key in line_a.keys() & line_b.keys() - {"step"}:
+            aim[key] = max(aim.get(key, 0.0), abs(line_a[key] - line_b[key]))
+    return {"first_step": first, "largest": largest, "aim": aim, "steps": (len(a["steps"]), len(b["steps"]))}
 
 
 def metrics(record: dict) -> dict:
@@ -99,29 +103,53 @@ def metrics(record: dict) -> dict:
     return {"M": pilot.reward_per_token(rows), "final": pilot.final_reward(rows)}
 
 
-def report(committed: dict, reruns: dict[str, dict], out_dir: Path, seconds: float) -> Path:
+def summary_lines(committed: dict, reruns: dict[str, dict]) -> list[str]:
+    """The table of M and final reward per run and the step-by-step differences of every pair of runs."""
     runs = {"committed record": committed, **reruns}
     lines = [
-        f"Record `{RECORD}` of `results/variance_lr/` (made before merge ed1b10c), rerun from its committed flags and "
-        "seed at each commit in a temporary worktree (design: the docstring of `experiments/merge_rerun.py`).",
-        "",
         "| run | code | M (reward per generated token) | final reward | steps | wall s |",
         "|---|---|---|---|---|---|",
     ]
     for label, record in runs.items():
-        m, code = metrics(record), record.get("code", {}).get("commit", "not recorded (issue 28's run)")
-        lines.append(
-            f"| {label} | `{code[:10]}` | {m['M']:.4f} | {m['final']:.4f} | {len(record['steps'])} "
-            f"| {record['wall_seconds']} |"
-        )
-    lines += ["", "Step by step (logged columns, as rounded in the compact records):", ""]
-    pairs = [(a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1 :]]
-    for a, b in pairs:
-        c = compare(runs[a], runs[b])
-        largest = ", ".join(f"{k} {v:.3g}" for k, v in c["largest"].items() if v and k != "step") or "none"
-        first = "never (identical at every step)" if c["first_step"] is None else f"step {c['first_step']}"
-        lines.append(f"* {a} vs {b}: first difference at {first}; largest difference per column: {largest}.")
+        m, code = metrics(record), record.get("code", {}).get("commit")
+        code = f"`{code[:10]}`" if code else "not recorded (issue 28's run)"
+        steps, seconds = len(record["steps"]), record["wall_seconds"]
+        lines.append(f"| {label} | {code} | {m['M']:.4f} | {m['final']:.4f} | {steps} | {seconds} |")
+    lines += ["", "Step by step (logged columns and aim measurements, as rounded in the compact records):", ""]
+    names = list(runs)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            c = compare(runs[a], runs[b])
+            largest = ", ".join(f"{k} {v:.2g}" for k, v in c["largest"].items() if v and k != "step") or "none"
+            aim = ", ".join(f"{k} {v:.2g}" for k, v in sorted(c["aim"].items()) if v) or "none"
+            first = "never (identical at every step)" if c["first_step"] is None else f"step {c['first_step']}"
+            lines.append(
+                f"* {a} vs {b}: first difference at {first}; largest difference per column: {largest}; "
+                f"per aim measurement: {aim}."
+            )
+    return lines
+
+
+def report(committed: dict, reruns: dict[str, dict], out_dir: Path, seconds: float) -> Path:
+    lines = [
+        f"Record `{RECORD}` of `results/variance_lr/` (made before merge ed1b10c), rerun from its committed flags and "
+        "seed at each commit in a temporary worktree (design: the docstring of `experiments/merge_rerun.py`).",
+        "",
+        *summary_lines(committed, reruns),
+    ]
     return write_report("variance_lr_merge", "What merge ed1b10c changed in a variance_lr run", lines, seconds, out_dir)
+
+
+def load(out_dir: Path) -> tuple[dict, dict[str, dict]] | None:
+    """The committed record and its reruns from ``out_dir``'s records, or None while a rerun is missing."""
+    paths = {
+        label: out_dir / "variance_lr_merge" / f"{RECORD}@{git('rev-parse', c)[:7]}.json"
+        for label, c in COMMITS.items()
+    }
+    if not all(p.exists() for p in paths.values()):
+        return None
+    committed = json.loads((out_dir / "variance_lr" / f"{RECORD}.json").read_text())
+    return committed, {label: json.loads(p.read_text()) for label, p in paths.items()}
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -131,19 +159,17 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     started, records_dir = time.perf_counter(), args.out_dir / "variance_lr_merge"
-    reruns = {}
-    for label, commit in COMMITS.items():
-        if args.report_only:
-            path = records_dir / f"{RECORD}@{git('rev-parse', commit)[:7]}.json"
-        else:
+    if not args.report_only:
+        for label, commit in COMMITS.items():
             path = rerun(RECORD, commit, records_dir)
             if args.commit:
                 import variance_lr_pilot as pilot
 
                 pilot.commit_paths([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
-        reruns[label] = json.loads(path.read_text())
-    committed = json.loads((args.out_dir / "variance_lr" / f"{RECORD}.json").read_text())
-    return report(committed, reruns, args.out_dir, time.perf_counter() - started)
+    loaded = load(args.out_dir)
+    if loaded is None:
+        parser.error(f"--report-only: a rerun of {RECORD} is missing in {records_dir}")
+    return report(*loaded, args.out_dir, time.perf_counter() - started)
 
 
 if __name__ == "__main__":
