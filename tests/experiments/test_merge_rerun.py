@@ -35,3 +35,21 @@ def test_metrics_are_the_pilot_metric_and_final_reward():
     m = merge_rerun.metrics(a)
     assert abs(m["M"] - sum(r * t for r, t in zip(rewards, tokens)) / sum(tokens)) < 1e-12
     assert abs(m["final"] - sum(rewards[-15:]) / 15) < 1e-12
+
+
+def test_results_md_quotes_the_reruns():
+    loaded = merge_rerun.load(ROOT / "results")
+    assert loaded is not None, "the committed reruns are missing"
+    committed, reruns = loaded
+    text = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
+    metrics = [merge_rerun.metrics(r) for r in (committed, *reruns.values())]
+    assert len({(round(m["M"], 4), round(m["final"], 4)) for m in metrics}) == 1
+    assert f"M = {metrics[0]['M']:.4f} and final reward {metrics[0]['final']:.4f} in both" in text
+    pre, merged = reruns.values()
+    both = merge_rerun.compare(pre, merged)
+    assert (
+        f"first differ at step {both['first_step']}, in grad_norm by at most {both['largest']['grad_norm']:.2g}" in text
+    )
+    assert both["largest"]["reward_mean"] == 0 and both["largest"]["generated_tokens"] == 0
+    own = merge_rerun.compare(committed, pre)
+    assert f"(from step {own['first_step']}; grad_norm {own['largest']['grad_norm']:.2g})" in text
