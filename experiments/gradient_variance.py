@@ -447,11 +447,12 @@ def _snr_panel(axis, result: dict, x: list) -> None:
 
 
 def record(result: dict) -> dict:
-    """One snapshot's compact record: every statistic's point estimate and bootstrap interval, [estimator, N]."""
+    """One snapshot's compact record: every statistic's point estimate and bootstrap interval, [estimator, N] (the
+    nearest draw, as the report's intervals: an inf draw of SNR∥ stays inf, not NaN)."""
     levels = torch.tensor([(1 - LEVEL) / 2, (1 + LEVEL) / 2], dtype=torch.float64)
     stats = {}
     for key, point in result["point"].items():
-        low, high = torch.nanquantile(result["boot"][key].double(), levels, dim=0)
+        low, high = torch.nanquantile(result["boot"][key].double(), levels, dim=0, interpolation="nearest")
         stats[key] = {"point": point, f"low_{LEVEL:.0%}": low, f"high_{LEVEL:.0%}": high}
     extra = {k: result[k] for k in ("tokens", "zero_variance", "reward", "params")}
     return {"statistics": stats, **extra}

@@ -518,6 +518,27 @@ def plan(args, lrs, selection, test, group_sizes) -> None:
         run_all(second)
 
 
+def merge_section(out_dir: Path) -> list[str]:
+    """Issue 38: merge ed1b10c landed between the 22nd and 23rd record; one pre-merge record rerun at both commits
+    (experiments/merge_rerun.py), when its records are there."""
+    import merge_rerun
+
+    loaded = merge_rerun.load(out_dir) if (out_dir / "variance_lr_merge").exists() else None
+    if loaded is None:
+        return []
+    return [
+        "## A code change mid-experiment: merge ed1b10c (issue 38)",
+        "",
+        "Merge ed1b10c (OTB's G_t and W_t formed in fp64 instead of the compute dtype, among other changes) landed "
+        "between the 22nd and 23rd record. Record "
+        f"`{merge_rerun.RECORD}` (pre-merge) rerun at ed1b10c^2 and at ed1b10c, each in a temporary worktree "
+        "(`python experiments/merge_rerun.py --commit`; results/variance_lr_merge.md):",
+        "",
+        *merge_rerun.summary_lines(*loaded),
+        "",
+    ]
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny warm start, one rate, 2 steps, in process")
@@ -601,6 +622,7 @@ def main(argv: list[str] | None = None) -> Path:
             "",
         ]
     sections += ["Design and decision rule (fixed before the runs): the docstring of `experiments/variance_lr.py`.", ""]
+    sections += merge_section(args.out_dir)
     if by_cell:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         sections += plot(by_cell, comparisons, group_sizes, lrs, selection, test, args.out_dir)

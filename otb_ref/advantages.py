@@ -41,7 +41,6 @@ import torch
 from otb_ref import _checks
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy
-from otb_ref.readable import generated_token_rank, group_baseline, group_std, returns_to_go, to_slots
 
 __all__ = [
     "ESTIMATORS",
@@ -114,34 +113,101 @@ def _baseline_from_sums(
 def _std_scale(
     centred: torch.Tensor,
     alive: torch.Tensor,
-    group: torch.Tensor,
-    num_groups: int,
+    groups: _GroupBlock,
     applies: torch.Tensor,
     epsilon: float,
+    members: torch.Tensor,
+    total: torch.Tensor,
 ) -> torch.Tensor:
-    """``[B]`` factor ``1/(σ_g + ε)`` of std scaling, σ_g the group's std of what its baseline centres
-    (:func:`otb_ref.readable.group_std`: ``R`` [B, 1], or ``G_t`` [B, T] pooled within positions); 1 where it does
-    not ``apply`` [B] or the group's centred values do not differ (zero spread: no division of an ε residue by ε).
-    """
-    sd, spread = group_std(centred.to(_GROUP_DTYPE), alive.to(_GROUP_DTYPE), group, num_groups)  # fp64
-    sd = sd + epsilon
+    """``[b]`` factor ``1/(σ_g + ε)`` of std scaling (fp64), σ_g the group's pooled within-position unbiased std of
+    what its baseline centres (``R`` [b, 1], or ``G_t`` [b, T]) over its ``alive`` entries (0/1, fp64), from the
+    group sums ``members = Σ alive`` and ``total = Σ alive·x`` [g, P] the caller has (THEORY §3):
+
+        σ_g² = Σ_p Σ_{j ∈ g} a_jp (x_jp − x̄_gp)² / Σ_p (n_gp − 1)₊,   x̄_gp = total / members (0 where no member).
+
+    1 where it does not ``apply`` [b], or the group's alive values are equal at every position (zero spread,
+    decided exactly by max > min: no division of an ε residue by ε)."""
+    group = groups.group
+    mean = torch.where(members > 0, total / members.clamp(min=1), 0.0)  # x̄_gp
+    deviations = groups.sum(alive * (centred - mean[group]).square()).sum(-1)  # [g]
+    dof = (members - 1).clamp(min=0).sum(-1)  # Σ_p (n_gp − 1)₊
+    sd = torch.where(dof > 0, deviations / dof.clamp(min=1), 0.0).sqrt()[group] + epsilon
+    live, rows = alive > 0, group[:, None].expand_as(centred)
+    highest = centred.new_full(members.shape, -math.inf).scatter_reduce_(
+        0, rows, centred.where(live, -math.inf), "amax"
+    )
+    lowest = centred.new_full(members.shape, math.inf).scatter_reduce_(0, rows, centred.where(live, math.inf), "amin")
+    spread = (highest > lowest).any(-1)[group]
     return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
+
+
+def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` rank k of each token among its row's generated tokens (``m = 1``); ``T`` off the mask."""
+    rank = mask.long().cumsum(dim=-1) - 1
+    return torch.where(mask != 0, rank, mask.shape[1])
+
+
+def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``values[i, t]`` moved to column ``slot[i, t]`` (off-mask tokens to a discarded column ``T``): ``[b, T]``."""
+    return values.new_zeros(values.shape[0], values.shape[1] + 1).scatter_(1, slot, values)[:, :-1]
 
 
 # ---------------------------------------------------------------------------
 # Reading the inputs block by block (checks ride along on data in cache).
 # ---------------------------------------------------------------------------
 
-# Elements per row block on CPU: the block's ~10 temporaries stay in cache.
+# Elements per block on CPU: the block's ~10 temporaries (fp64) stay in cache.
 # Accelerators take all rows at once.
-_CPU_BLOCK_ELEMENTS = 1 << 18
+_CPU_BLOCK_ELEMENTS = 1 << 17
 
 
-def _row_blocks(batch_size: int, length: int, device: torch.device) -> list[slice]:
-    if device.type != "cpu":
-        return [slice(0, batch_size)]
-    rows = max(1, _CPU_BLOCK_ELEMENTS // max(length, 1))
-    return [slice(start, min(start + rows, batch_size)) for start in range(0, batch_size, rows)]
+class _GroupBlock(NamedTuple):
+    """Rows of whole groups, read and finished together."""
+
+    rows: slice | torch.Tensor  # the block's rows: a slice, or their numbers where groups interleave in the batch
+    group: torch.Tensor  # [b] each row's group number within the block, in [0, size)
+    size: int  # groups in the block
+    equal: int  # n when the block is ``size`` consecutive runs of n rows (its sums are a reshape), else 0
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-group sums ``[b, *] -> [size, *]``."""
+        if self.equal:
+            return values.reshape(self.size, self.equal, *values.shape[1:]).sum(1)
+        return _segment_sum(values, self.group, self.size)
+
+
+def _group_blocks(
+    group: torch.Tensor, num_groups: int, batch_size: int, length: int, device: torch.device
+) -> list[_GroupBlock]:
+    """The batch as blocks of whole groups: one on accelerators (or when it fits one block); on CPU consecutive
+    groups (numbered by first appearance) up to ~``_CPU_BLOCK_ELEMENTS`` elements a block, a larger group alone.
+    Groups laid out as runs of rows (as trainers lay them out) give slices; interleaved groups, row numbers."""
+    if device.type != "cpu" or batch_size * length <= _CPU_BLOCK_ELEMENTS or num_groups == 0:
+        return [_GroupBlock(slice(0, batch_size), group, num_groups, 0)]
+    rows = torch.arange(batch_size)
+    first = torch.full((num_groups,), batch_size).scatter_reduce_(0, group, rows, "amin")  # first row of each group
+    renumber = torch.empty_like(first).scatter_(0, first.argsort(), torch.arange(num_groups))
+    ordered = renumber[group]  # group numbers in order of first appearance
+    order = ordered.argsort(stable=True)  # rows, group by group (the identity for runs)
+    sizes = torch.bincount(ordered, minlength=num_groups)
+    starts = sizes.cumsum(0) - sizes  # first position of each group in `order`
+    runs = (ordered[1:] >= ordered[:-1]).all()
+    plan = torch.cat([starts, sizes, runs.long()[None]]).tolist()  # one host read
+    starts, sizes, runs = plan[:num_groups], plan[num_groups:-1], bool(plan[-1])
+    per_block, blocks, first_group = max(1, _CPU_BLOCK_ELEMENTS // max(length, 1)), [], 0
+    sorted_groups = ordered if runs else ordered[order]
+    while first_group < num_groups:
+        end_group = first_group + 1
+        while end_group < num_groups and starts[end_group] // per_block == starts[first_group] // per_block:
+            end_group += 1
+        start, stop = starts[first_group], starts[end_group - 1] + sizes[end_group - 1]
+        block_sizes = sizes[first_group:end_group]
+        equal = block_sizes[0] if min(block_sizes) == max(block_sizes) else 0
+        block_rows = slice(start, stop) if runs else order[start:stop]
+        local = sorted_groups[start:stop] - first_group
+        blocks.append(_GroupBlock(block_rows, local, end_group - first_group, equal))
+        first_group = end_group
+    return blocks
 
 
 class _Range(NamedTuple):
@@ -268,13 +334,18 @@ def _check_block(
     return clean, valid
 
 
-def _apply_mask(values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """``values`` where the mask is 1, zero elsewhere, whatever stood there.
+def _apply_mask(
+    values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None, fresh: bool = False
+) -> torch.Tensor:
+    """``values`` where the mask is 1, zero elsewhere, whatever stood there (in place when ``fresh``: a tensor of
+    this function's caller, never the user's).
 
     Multiplying by the 0/1 mask is exact when every entry is finite (``clean``);
     otherwise ``where`` drops NaN and inf off the mask.
     """
-    return values * mask if clean else torch.where(valid, values, 0.0)
+    if clean:
+        return values.mul_(mask) if fresh else values * mask
+    return torch.where(valid, values, 0.0)
 
 
 def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -308,24 +379,39 @@ def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
     if spec.energy == "length" and "rollout_is_weights" not in values:
         w = mask  # w_t = 1 on the mask, already zero off it
     elif spec.energy in ("length", "proxy"):
-        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid)
+        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid, fresh=True)
     elif "cumulative_energy" in values:
         W = _apply_mask(values["cumulative_energy"], all_clean, mask, valid)  # ||S_t||², already realized
     return _Block(rows, mask, rewards, w, W)
 
 
 def _rows_output(
-    blocks: list[slice], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """Buffer for an output assembled from row blocks, or ``None`` for one block (see :func:`_put`)."""
-    return None if len(blocks) == 1 else torch.empty(shape, dtype=dtype, device=device)
+    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put`)."""
+    return None if num_blocks == 1 else torch.empty(shape, dtype=dtype, device=device)
 
 
-def _put(out: torch.Tensor | None, rows: slice, value: torch.Tensor) -> torch.Tensor:
-    """``out[rows] = value``; with one block (``out is None``) the block's tensor is the output: no copy."""
+def _put(out: torch.Tensor | None, rows: slice | torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out[rows] = value`` rounded to ``dtype`` once; with one block (``out is None``) the block's value is the
+    output."""
     if out is None:
-        return value
-    out[rows] = value
+        return value.to(dtype)
+    if isinstance(rows, slice):
+        out[rows].copy_(value)  # rounded as it is copied
+    else:
+        out[rows] = value.to(dtype)
+    return out
+
+
+def _put_masked(out: torch.Tensor | None, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor):
+    """``out[rows] = per_row[:, None] * mask`` (all in the output's dtype), written in place where rows are a slice."""
+    if out is None:
+        return per_row[:, None] * mask
+    if isinstance(rows, slice):
+        torch.mul(per_row[:, None], mask, out=out[rows])
+    else:
+        out[rows] = per_row[:, None] * mask
     return out
 
 
@@ -364,81 +450,46 @@ def _zero_tail_start(
 def _sequence_advantages(
     spec: Estimator, inputs: _Inputs, epsilon: float, baseline_epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table)."""
+    """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table), block by block of
+    whole groups (:func:`_group_blocks`)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    blocks = _row_blocks(batch_size, length, device)
-    mask = _rows_output(blocks, (batch_size, length), dtype, device)
-    total_return = torch.zeros(batch_size, dtype=_GROUP_DTYPE, device=device)  # R [B] fp64
-    v = torch.ones(batch_size, dtype=_GROUP_DTYPE, device=device)  # sequence weight v [B] fp64 (uniform: 1)
-    for rows in blocks:
-        block = _read_block(spec, inputs, rows)
-        mask = _put(mask, rows, block.mask)
-        if length:  # R = G_0, summed from the end
-            total_return[rows] = returns_to_go(block.rewards.to(_GROUP_DTYPE), block.mask.to(_GROUP_DTYPE))[:, 0]
-        if block.w is not None:
-            v[rows] = block.w.to(_GROUP_DTYPE).sum(dim=-1)  # v = Σ_t w_t
-    if spec.energy == "exact":
-        v = inputs.grad_norms_sq.to(dtype)  # v = ||S||² in the compute dtype (group_baseline takes it to fp64)
-    counted = torch.ones(batch_size, dtype=torch.bool, device=device)
-    counts = _segment_sum(counted.long(), inputs.group, inputs.num_groups)  # [G]
-    in_group = counts[inputs.group] >= 2  # [B]
-    baseline = group_baseline(
-        v, counted, total_return, inputs.group, spec.leave_one_out, baseline_epsilon, inputs.num_groups
-    )  # fp64
-    advantage = total_return - torch.where(in_group, baseline, 0.0)  # [B] fp64
-    if spec.std_normalize:  # σ of R over the group
-        alive = torch.ones_like(total_return)[:, None]
-        advantage = advantage * _std_scale(
-            total_return[:, None], alive, inputs.group, inputs.num_groups, in_group, epsilon
-        )
-    return advantage.to(dtype)[:, None] * mask, total_return.to(dtype)[:, None] * mask
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
+    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    for groups in blocks:
+        block = _read_block(spec, inputs, groups.rows)
+        rewards = block.rewards.flip(-1)  # R = G_0 [b], in fp64 summed from the end (as G_t: ties stay exact)
+        R = rewards.to(_GROUP_DTYPE).cumsum_(-1)[:, -1] if length else rewards.sum(-1, dtype=_GROUP_DTYPE)
+        if spec.energy == "exact":
+            v = inputs.grad_norms_sq[groups.rows].to(dtype).to(_GROUP_DTYPE)  # v = ||S||² (compute dtype, then fp64)
+        elif block.w is not None:
+            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t in fp64
+        else:
+            v = torch.ones_like(R)  # uniform: 1
+        group, ones = groups.group, torch.ones_like(R)
+        sums = [_segment_sum(x, group, groups.size) for x in (ones, v * R, v, R)]  # members, Σ v R, Σ v, Σ R [g]
+        at = [s[group] for s in sums]
+        if spec.leave_one_out:  # the others: group sums minus the row's own terms
+            at = [at[0] - ones, at[1] - v * R, at[2] - v, at[3] - R]
+        in_group = sums[0][group] >= 2  # [b]
+        advantage = R - torch.where(in_group, _baseline_from_sums(*at, baseline_epsilon), 0.0)  # [b] fp64
+        if spec.std_normalize:  # σ of R over the group
+            scale = _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, sums[0][:, None], sums[3][:, None])
+            advantage = advantage * scale
+        advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
+        returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
+    return advantages, returns
 
 
 class _GroupSums(NamedTuple):
-    """Pass 1 of the token estimators: per-row values and the ``[G, T]`` fp64 sums over each group's alive rows
-    at every position (generated-token rank with multi-turn)."""
+    """A block's ``[g, T]`` fp64 sums over each group's alive rows at every position (generated-token rank with
+    multi-turn): what a token baseline is made of (:func:`_baseline_from_sums`)."""
 
-    returns: torch.Tensor  # G_t [B, T], fp64
-    lengths: torch.Tensor  # generated tokens per row [B]
-    own_W: torch.Tensor | None  # m_t W_t [B, T] (leave-one-out only)
     members: torch.Tensor  # Σ_j m_t^j
     weighted: torch.Tensor  # Σ_j m_t^j W_t^j G_t^j
     weight: torch.Tensor  # Σ_j m_t^j W_t^j
     total: torch.Tensor  # Σ_j m_t^j G_t^j
-
-
-def _token_group_sums(spec: Estimator, inputs: _Inputs, multi_turn: bool) -> _GroupSums:
-    """Pass 1 (per row block): returns to go, realized energies ``W_t`` and the group sums, by ``index_add_``."""
-    batch_size, length = inputs.rewards.shape
-    device, group = inputs.rewards.device, inputs.group
-    blocks = _row_blocks(batch_size, length, device)
-    returns = _rows_output(blocks, (batch_size, length), _GROUP_DTYPE, device)  # G_t [B, T] fp64
-    lengths = _rows_output(blocks, (batch_size,), torch.long, device)  # generated tokens per row
-    own_W = _rows_output(blocks, (batch_size, length), _GROUP_DTYPE, device) if spec.leave_one_out else None
-    sums = [torch.zeros((inputs.num_groups, length), dtype=_GROUP_DTYPE, device=device) for _ in range(4)]
-    for rows in blocks:
-        block = _read_block(spec, inputs, rows)
-        mask = block.mask
-        lengths = _put(lengths, rows, mask.sum(dim=-1).long())
-        mask = mask.to(_GROUP_DTYPE)
-        G = returns_to_go(block.rewards.to(_GROUP_DTYPE), mask)  # [b, T] fp64
-        returns = _put(returns, rows, G)
-        if spec.energy == "uniform":
-            W = mask  # W_t = 1 while alive
-        elif spec.energy == "exact":
-            W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
-        else:
-            W = block.w.to(_GROUP_DTYPE).cumsum(dim=-1).mul_(mask)  # W_t = Σ_{j≤t} w_j in fp64, zero where not alive
-        if spec.leave_one_out:
-            own_W = _put(own_W, rows, W)
-        if multi_turn:  # compare k-th generated tokens, not absolute positions
-            slot = generated_token_rank(mask)
-            W, G, mask = to_slots(W, slot), to_slots(G, slot), to_slots(mask, slot)
-        # fp64 products: pass 2 subtracts exactly these for leave-one-out.
-        for total, term in zip(sums, (mask, W * G, W, mask * G)):
-            total.index_add_(0, group[rows], term)
-    return _GroupSums(returns, lengths, own_W, *sums)
 
 
 def _token_advantages(
@@ -446,55 +497,70 @@ def _token_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
 
-    Pass 1 (:func:`_token_group_sums`). Pass 2 (per row block): each row's baseline from its group's sums (minus
-    its own term with ``leave_one_out``) by :func:`_baseline_from_sums`, where it applies; ``G − B`` in fp64.
-    """
+    Everything a token advantage needs lies within its group, so the batch is read once, in blocks of whole groups
+    (:func:`_group_blocks`), and each block is finished while in cache (:func:`_token_block`)."""
     batch_size, length = inputs.rewards.shape
-    device, dtype, group = inputs.rewards.device, inputs.dtype, inputs.group
-    sums = _token_group_sums(spec, inputs, multi_turn)
-    returns, lengths = sums.returns, sums.lengths
+    device, dtype = inputs.rewards.device, inputs.dtype
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
+    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    for block in blocks:
+        advantage, returns_to_go = _token_block(
+            spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon
+        )
+        advantages = _put(advantages, block.rows, advantage, dtype)
+        returns = _put(returns, block.rows, returns_to_go, dtype)
+    return advantages, returns
+
+
+def _token_block(
+    spec: Estimator,
+    inputs: _Inputs,
+    groups: _GroupBlock,
+    multi_turn: bool,
+    handle_zero_tail: bool,
+    epsilon: float,
+    baseline_epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns ``[b, T]`` (fp64; rounded once as they are put in place) of one block of whole groups."""
+    block = _read_block(spec, inputs, groups.rows)
+    group, length = groups.group, block.mask.shape[1]
+    lengths = block.mask.sum(dim=-1).long()  # generated tokens per row
+    mask = block.mask.to(_GROUP_DTYPE)
+    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k in fp64, from the end
+    if spec.energy == "uniform":
+        W = mask  # W_t = 1 while alive
+    elif spec.energy == "exact":
+        W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
+    else:
+        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j (fp64), 0 off the mask
+    slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
+    m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G)) if multi_turn else (mask, W, G)
+    product = W_s * G_s  # one buffer for both products
+    weighted = groups.sum(product)
+    sums = _GroupSums(groups.sum(m_s), weighted, groups.sum(W_s), groups.sum(torch.mul(m_s, G_s, out=product)))
     counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
-    counts = _segment_sum(counted.long(), group, inputs.num_groups)  # [G]
+    counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway).
-    group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [G]
-    tail_start = None
+    group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [g]
+    back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
+    if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
+        at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
+        others = (at.members - mask, at.weighted - W * G, at.weight - W, at.total - mask * G)
+        baseline = _baseline_from_sums(*others, baseline_epsilon) * group_has_baseline[group, None]
+    else:
+        baseline_of_group = _baseline_from_sums(*sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
-        tail_start = _zero_tail_start(lengths, counted, group, inputs.num_groups, counts, length)
-    scale = None
+        tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
+        token_position = back if multi_turn else torch.arange(length, device=mask.device)[None, :]
+        baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
+    advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
-        alive = (inputs.mask != 0).to(dtype) * counted[:, None]
-        centred = returns
-        if multi_turn:
-            slot = generated_token_rank(alive)
-            centred, alive = to_slots(returns, slot), to_slots(alive, slot)
-        scale = _std_scale(centred, alive, group, inputs.num_groups, counted & (counts[group] >= 2), epsilon)
-    group_sums = (sums.members, sums.weighted, sums.weight, sums.total)
-    baseline_of_group = None
-    if not spec.leave_one_out:
-        baseline_of_group = _baseline_from_sums(*group_sums, baseline_epsilon) * group_has_baseline[:, None]  # [G, T]
-    positions = torch.arange(length, device=device)
-    blocks = _row_blocks(batch_size, length, device)
-    advantages = _rows_output(blocks, (batch_size, length), dtype, device)
-    for rows in blocks:  # pass 2
-        mask = inputs.mask[rows].to(_GROUP_DTYPE)
-        G = returns[rows]
-        slot = generated_token_rank(mask).clamp_(max=max(length - 1, 0)) if multi_turn else None
-        if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
-            own_W = sums.own_W[rows]
-            at = [_at_slots(s[group[rows]], slot) for s in group_sums]
-            others = (at[0] - mask, at[1] - own_W * G, at[2] - own_W, at[3] - mask * G)
-            baseline = _baseline_from_sums(*others, baseline_epsilon) * group_has_baseline[group[rows], None]
-        else:
-            baseline = _at_slots(baseline_of_group[group[rows]], slot)  # [b, T]
-        if tail_start is not None:
-            token_position = slot if multi_turn else positions[None, :]
-            baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)
-        advantage = (G - baseline).mul_(mask)
-        if scale is not None:
-            advantage.mul_(scale[rows, None])
-        advantages = _put(advantages, rows, advantage.to(dtype))
-    return advantages, returns.to(dtype)
+        applies = counted & (counts[group] >= 2)
+        advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums.members, sums.total)[:, None])
+    return advantage, G
 
 
 # ---------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
         )
     dtype = compute_dtype(log_probs, sum_pi_squared)
     pi_y = torch.exp(log_probs.detach().to(dtype))
-    return (1.0 - 2.0 * pi_y).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)  # (1 − 2π) + Σπ², clamped
+    # (1 − 2π) + Σπ², clamped; in π's buffer: −2π + 1 is 1 − 2π to the bit (doubling and negation are exact)
+    return pi_y.mul_(-2.0).add_(1.0).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)
 
 
 def _default_chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:

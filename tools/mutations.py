@@ -126,8 +126,8 @@ MUTATIONS = [
     Mutation(
         "P2pi",
         "otb_ref/proxy.py",
-        "pi_y, alpha=-2.0)",
-        "pi_y, alpha=-1.0)",
+        "pi_y.mul_(-2.0)",
+        "pi_y.mul_(-1.0)",
         "token energy 1 − π_y + Σπ² (factor 2 dropped)",
         "f6",
     ),
@@ -143,8 +143,8 @@ MUTATIONS = [
     Mutation(
         "Acum",
         "otb_ref/advantages.py",
-        "W = block.w.cumsum(dim=-1).mul_(mask)",
-        "W = block.w.mul(mask)",
+        "W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)",
+        "W = block.w.to(_GROUP_DTYPE, copy=True).mul_(mask)",
         "library OTB: per-token w_t instead of realized W_t",
         "f7",
     ),
@@ -167,8 +167,8 @@ MUTATIONS = [
     Mutation(
         "Aloo_tok",
         "otb_ref/advantages.py",
-        "others = (at[0] - mask, at[1] - own_W * G, at[2] - own_W, at[3] - mask * G)",
-        "others = (at[0] - mask, at[1], at[2] - own_W, at[3] - mask * G)",
+        "others = (at.members - mask, at.weighted - W * G, at.weight - W, at.total - mask * G)",
+        "others = (at.members - mask, at.weighted, at.weight - W, at.total - mask * G)",
         "token leave-one-out: own term kept in the numerator",
         "f7",
     ),
@@ -183,9 +183,9 @@ MUTATIONS = [
     Mutation(
         "Astd_tok",
         "otb_ref/advantages.py",
-        "scale = _std_scale(centred, alive, group, inputs.num_groups, counted & (counts[group] >= 2), epsilon)",
-        "scale = _std_scale(returns[:, :1], returns[:, :1] * 0 + 1, group, inputs.num_groups, "
-        "counts[group] >= 2, epsilon)",
+        "advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums.members, sums.total)[:, None])",
+        "advantage.mul_(_std_scale(G[:, :1], m_s[:, :1] * 0 + 1, groups, applies, epsilon, groups.sum(m_s[:, :1] * 0 "
+        "+ 1), groups.sum(G[:, :1]))[:, None])",
         "token cells scaled by the std of R (issue 22's bug) instead of G_t pooled within positions",
         "f7",
     ),
@@ -208,8 +208,8 @@ MUTATIONS = [
     Mutation(
         "Asingle",
         "otb_ref/advantages.py",
-        "group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [G]",
-        "group_has_baseline = (counts >= 1).to(_GROUP_DTYPE)  # [G]",
+        "group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [g]",
+        "group_has_baseline = (counts >= 1).to(_GROUP_DTYPE)  # [g]",
         "a group of one gets a baseline",
         "f7",
     ),
@@ -224,8 +224,8 @@ MUTATIONS = [
     Mutation(
         "Atail",
         "otb_ref/advantages.py",
-        "baseline = torch.where(token_position < tail_start[rows, None], baseline, 0.0)",
-        "baseline = torch.where(token_position <= tail_start[rows, None], baseline, 0.0)",
+        "baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)",
+        "baseline = torch.where(token_position <= tail_start[:, None], baseline, 0.0)",
         "zero tail starts one position late",
         "f7",
     ),
@@ -291,8 +291,8 @@ MUTATIONS = [
     Mutation(
         "Eclamp",
         "otb_ref/proxy.py",
-        "return (1.0 - 2.0 * pi_y).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)",
-        "return (1.0 - 2.0 * pi_y).add_(sum_pi_squared.detach().to(dtype))",
+        "return pi_y.mul_(-2.0).add_(1.0).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)",
+        "return pi_y.mul_(-2.0).add_(1.0).add_(sum_pi_squared.detach().to(dtype))",
         "token_energy: w_t not clamped into [0, 2]",
         "f6",
     ),

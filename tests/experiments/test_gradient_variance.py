@@ -202,3 +202,19 @@ def test_quick_run_writes_the_report(tmp_path, snapshots_dir):
         reference = (list(gv.ESTIMATORS).index(gv.REFERENCE[0]), len(gv.QUICK.group_sizes) - 1)
         assert point["scale"][reference] == pytest.approx(1.0) or math.isnan(point["scale"][reference])
         assert len(result["tokens"]) == shape[1] and all(t > 0 for t in result["tokens"])
+
+
+def test_results_md_quotes_the_committed_records():
+    """RESULTS.md's N* on SNR∥ and ∇J's noise, parsed and recomputed from results/gradient_variance_records.json."""
+    text = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
+    records = json.loads((ROOT / "results" / "gradient_variance_records.json").read_text())
+    otb, otb_loo = records["estimators"].index("otb"), records["estimators"].index("otb_loo")
+    stats = {name: snap["statistics"] for name, snap in records["snapshots"].items()}
+    warm = stats["warm"]["n_star_par"]
+    point, low, high = (warm[k][otb] for k in ("point", "low_90%", "high_90%"))
+    assert f"N = 32 SNR∥ at N = {point:.3g} [{low:.3g}, {high:.3g}] after the warm start" in text
+    assert all(stats[s]["n_star_par"]["point"][otb] <= 2 for s in ("mid", "late"))
+    loo = [stats[s]["n_star_par"]["point"][otb_loo] for s in stats]
+    assert f"leave-one-out OTB at {min(loo):.3g}–{max(loo):.3g}" in text
+    noise = ", ".join(f"{stats[s]['ref_noise']['point']:.2g} ({s})" for s in ("warm", "mid", "late"))
+    assert f"tr Cov / R / ‖∇J‖², is {noise}." in text

@@ -310,13 +310,70 @@ def test_std_normalize_with_zero_std_and_zero_epsilon_is_zero_not_nan():
         assert torch.equal(adv[:2], torch.zeros(2, 2, dtype=torch.float64))
 
 
+_LAYOUTS = {
+    "runs": [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3],
+    "runs, unequal": [0, 0, 1, 1, 1, 1, 1, 2, 3, 3, 3, 3],
+    "interleaved": [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 3, 3],
+    "ids unsorted": [5, 5, 1, 1, 7, 7, 7, 2, 2, 2, 0, 0],
+}
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
-@pytest.mark.parametrize("batch_size, length", [(0, 4), (1, 1), (5, 1 << 17), (1000, 3)])
-def test_row_blocks_cover_every_row_once(device, batch_size, length):
-    """The fast path reads the batch in row blocks on CPU (about 2^18 elements each) and whole on accelerators."""
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("budget", [1, 4 * 3, 7 * 3, 1 << 18])
+def test_group_blocks_hold_whole_groups_and_every_row_once(device, layout, budget, monkeypatch):
+    """The fast path reads the batch in blocks of whole groups on CPU (about 2^18 elements each, a larger group
+    alone) and whole on accelerators; each block's group numbers name its groups, and ``equal`` only where the
+    block is runs of equally many rows."""
+    from otb_ref import _checks, advantages
+
+    monkeypatch.setattr(advantages, "_CPU_BLOCK_ELEMENTS", budget)
+    batch_size, length = len(_LAYOUTS[layout]), 3
+    group, num_groups = _checks.group_ids(torch.tensor(_LAYOUTS[layout]), batch_size, torch.device("cpu"))
+    blocks = advantages._group_blocks(group, num_groups, batch_size, length, torch.device(device))
+    rows = [torch.arange(batch_size)[block.rows].tolist() for block in blocks]
+    assert sorted(r for block in rows for r in block) == list(range(batch_size))
+    if device != "cpu" or budget >= batch_size * length:
+        assert len(blocks) == 1 and blocks[0].rows == slice(0, batch_size)
+    seen = set()
+    for block, block_rows in zip(blocks, rows):
+        global_groups = group[block_rows]
+        assert not seen & set(global_groups.tolist())  # whole groups: none split between blocks
+        seen |= set(global_groups.tolist())
+        assert block.size == len(set(global_groups.tolist()))
+        pairs = set(zip(block.group.tolist(), global_groups.tolist()))
+        assert len(pairs) == block.size and {local for local, _ in pairs} == set(range(block.size))
+        values = torch.randn(len(block_rows), 2, dtype=torch.float64)
+        direct = torch.zeros(block.size, 2, dtype=torch.float64).index_add_(0, block.group, values)
+        torch.testing.assert_close(block.sum(values), direct, rtol=1e-15, atol=0)
+        if block.equal:
+            assert set(torch.bincount(block.group).tolist()) == {block.equal}
+            assert block.group.tolist() == sorted(block.group.tolist())
+    if device == "cpu" and budget < batch_size * length:
+        assert len(blocks) > 1
+        assert all(isinstance(block.rows, slice) for block in blocks) == (layout != "interleaved")
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("estimator", ["otb", "rloo", "grpo", "opo", "token_mean"])
+def test_group_blocks_give_the_one_block_numbers(layout, estimator, monkeypatch):
+    """Any layout of groups, any block budget: the one-block path's numbers (fp64: up to summation order)."""
     from otb_ref import advantages
 
-    blocks = advantages._row_blocks(batch_size, length, torch.device(device))
-    assert [i for block in blocks for i in range(batch_size)[block]] == list(range(batch_size))
-    if device != "cpu":
-        assert len(blocks) == 1
+    index = _LAYOUTS[layout]
+    g = torch.Generator().manual_seed(7)
+    shape = (len(index), 5)
+    mask = (torch.rand(shape, generator=g) < 0.8).double()
+    rewards = torch.randn(shape, generator=g, dtype=torch.float64)
+    log_probs = -torch.rand(shape, generator=g, dtype=torch.float64)
+    inputs = dict(
+        old_log_probs=log_probs, sum_pi_squared=torch.rand(shape, generator=g, dtype=torch.float64) * 0.8 + 0.1
+    )
+    for multi_turn in [False, True] if estimator in ("otb", "token_mean") else [False]:
+        monkeypatch.setattr(advantages, "_CPU_BLOCK_ELEMENTS", 1 << 18)
+        whole = compute_advantages(estimator, rewards, mask, index, multi_turn=multi_turn, **inputs)
+        for budget in (1, 2 * 5, 6 * 5):
+            monkeypatch.setattr(advantages, "_CPU_BLOCK_ELEMENTS", budget)
+            blocked = compute_advantages(estimator, rewards, mask, index, multi_turn=multi_turn, **inputs)
+            for one, other in zip(whole, blocked):
+                torch.testing.assert_close(other, one, rtol=1e-13, atol=1e-13)

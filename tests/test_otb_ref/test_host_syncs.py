@@ -120,13 +120,15 @@ def test_garbage_off_the_mask_takes_a_second_read(monkeypatch, estimator, name, 
 
 
 def test_row_blocks_read_once_per_block(monkeypatch):
-    """The CPU path reads per row block (data in cache); accelerators have one block."""
+    """The CPU path reads per block of whole groups (data in cache), plus one read of the block plan; a group larger
+    than a block is one block; accelerators have one block and no plan."""
     rewards, mask, log_probs, sum_pi_squared = _batch()
-    monkeypatch.setattr(otb_ref.advantages, "_CPU_BLOCK_ELEMENTS", 12 * 2)  # 2 rows per block: 4 blocks
-    ops = _count(
-        monkeypatch,
-        lambda: compute_advantages(
-            "otb", rewards, mask, [0] * 8, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
-        ),
-    )
-    assert ops == {"tolist": 4}
+    monkeypatch.setattr(otb_ref.advantages, "_CPU_BLOCK_ELEMENTS", 12 * 2)  # 2 rows per block
+    for index, blocks in [([0, 0, 1, 1, 2, 2, 3, 3], 4), ([0, 1, 0, 1, 2, 3, 2, 3], 4), ([0] * 8, 1)]:
+        ops = _count(
+            monkeypatch,
+            lambda index=index: compute_advantages(
+                "otb", rewards, mask, index, old_log_probs=log_probs, sum_pi_squared=sum_pi_squared
+            ),
+        )
+        assert ops == {"tolist": blocks + 1}, index
