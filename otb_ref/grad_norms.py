@@ -41,8 +41,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
-from otb_ref.proxy import _chunk_logits, _default_chunk_size
+from otb_ref._checks import compute_dtype, lm_batch_masks, positive_scalar, require_tensor, require_token_ids
+from otb_ref.proxy import chunk_logits, chunk_logits_grad_, default_chunk_size
 
 __all__ = ["lm_head_log_probs", "plain_lm_head", "row_grad_norms_sq", "sequence_grad_norms_sq"]
 
@@ -115,8 +115,7 @@ def sequence_grad_norms_sq(
 
         def log_probs_of_targets() -> torch.Tensor:  # [B, L-1]
             logits = logits_of(model(input_ids, **kwargs))  # [B, L, V]
-            dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            z = logits[:, :-1].to(dtype) / tau  # [B, L-1, V]
+            z = logits[:, :-1].to(compute_dtype(logits)) / tau  # [B, L-1, V]
             return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
 
     def response_log_likelihood() -> torch.Tensor:  # [B]
@@ -238,11 +237,11 @@ def lm_head_log_probs(
     rows, positions, width = hidden.shape
     if chunk_size is None:
         per_entry = max(rows * positions, rows * width)  # the chunk's logits; its materialised head gradients
-        chunk_size = _default_chunk_size(weight.shape[0], per_entry, hidden.device)
+        chunk_size = default_chunk_size(weight.shape[0], per_entry, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     if positions == 0:  # no token to predict: nothing depends on the head
-        return torch.zeros(targets.shape, dtype=_accumulate_dtype(hidden), device=hidden.device)
+        return torch.zeros(targets.shape, dtype=compute_dtype(hidden), device=hidden.device)
     recorded = None
     if _RECORDING and torch.is_grad_enabled():
         tape = _RECORDING[-1]
@@ -270,10 +269,7 @@ def _check_head(hidden, lm_head, targets) -> torch.Tensor:
         raise ValueError(
             f"targets: expected integer ids {tuple(hidden.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}"
         )
-    if targets.numel():
-        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host read
-        if low < 0 or high >= weight.shape[0]:
-            raise ValueError(f"targets: token ids must lie in [0, {weight.shape[0]}) (the rows of the head's weight)")
+    require_token_ids("targets", targets, weight.shape[0], "the rows of the head's weight")
     return weight
 
 
@@ -294,12 +290,12 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_tau, chunk_size, recorded):  # noqa: D401
         h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [N, d], [N]
-        dtype = _accumulate_dtype(hidden)
+        dtype = compute_dtype(hidden)
         running_max = torch.full(y.shape, -torch.inf, dtype=dtype, device=h.device)
         running_sum = torch.zeros_like(running_max)
         target_logit = torch.zeros_like(running_max)
         for chunk in _vocab_chunks(weight.shape[0], chunk_size):
-            z = _chunk_logits(h, weight[chunk], inv_tau, dtype)  # [N, c]
+            z = chunk_logits(h, weight[chunk], inv_tau, dtype)  # [N, c]
             local, inside = _in_chunk(y, chunk)
             target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
             new_max = torch.maximum(running_max, z.amax(dim=1))
@@ -321,11 +317,10 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         norms = _HeadNorms(*ctx.recorded, hidden, weight.shape[0], ctx.chunk_size) if ctx.recorded else None
         for chunk in _vocab_chunks(weight.shape[0], ctx.chunk_size):
-            z = _chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
-            c = z.sub_(logsumexp[:, None]).exp_().mul_(-g[:, None])  # −g π
+            z = chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
             local, inside = _in_chunk(y, chunk)
-            c.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])  # + g e_y
-            c = c.mul_(ctx.inv_tau).to(hidden.dtype)  # [N, c]: the gradient at the head's output
+            # [N, c]: the gradient at the head's output, g (e_y − π) / τ
+            c = chunk_logits_grad_(z, logsumexp, g, local, torch.where(inside, g, 0.0), ctx.inv_tau, hidden.dtype)
             if grad_h is not None:
                 grad_h += (c @ weight[chunk]).to(dtype)
             if grad_w is not None:
@@ -350,7 +345,7 @@ class _HeadNorms:
                 "lm_head: its weight is used by another call than the input embedding's; lm_head_log_probs "
                 "supports a head tied to the input embedding only"
             )
-        dtype = _accumulate_dtype(hidden)
+        dtype = compute_dtype(hidden)
         self.tied = {id(e): _TiedIds(_ids(e, rows), vocab, chunk_size, positions, dtype) for e in partners}
         self.gram = _use_gram(positions, width, vocab)
         self.cc = torch.zeros(rows, positions, positions, dtype=dtype, device=hidden.device) if self.gram else None
@@ -686,7 +681,7 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
         if "weight" in own:
             out["weight"] = linear_weight_norms_sq(a, g)
         if "bias" in own:
-            out["bias"] = _squared_norms(g.sum(dim=1, dtype=_accumulate_dtype(g)))
+            out["bias"] = _squared_norms(g.sum(dim=1, dtype=compute_dtype(g)))
         return out
     if call.kind == "embedding":
         return {"weight": embedding_norms_sq(call.inputs, g, call.module.num_embeddings)}
@@ -694,13 +689,9 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: _squared_norms(gr) for n, gr in grads.items()}
 
 
-def _accumulate_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x @ y`` batched, result in float32 (float64 for float64) with bf16/fp16 inputs kept as they are on CUDA."""
-    dtype = _accumulate_dtype(x)
+    dtype = compute_dtype(x)
     if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
         try:
             return torch.bmm(x, y, out_dtype=torch.float32)
@@ -757,7 +748,7 @@ def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.
     g = g.reshape(rows, ids.shape[1], -1)  # [B, T, d]
     row_of = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)  # [B, T]
     keys, where = torch.unique((row_of * vocab + ids).flatten(), return_inverse=True)  # [U], [B*T]
-    summed = torch.zeros(keys.shape[0], g.shape[-1], dtype=_accumulate_dtype(g), device=g.device)  # [U, d]
+    summed = torch.zeros(keys.shape[0], g.shape[-1], dtype=compute_dtype(g), device=g.device)  # [U, d]
     summed.index_add_(0, where, g.reshape(-1, g.shape[-1]).to(summed.dtype))
     out = torch.zeros(rows, dtype=torch.float64, device=g.device)
     return out.index_add_(0, keys // vocab, _squared_norms(summed))
@@ -774,7 +765,7 @@ def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tenso
     if set(call.params) <= {"weight", "bias"} and "weight" in call.params:
         normalized = _affine_norm_input(call, verify=type(call.module) not in _AFFINE_NORM_CLASSES)  # or None
         if normalized is not None:
-            dtype = _accumulate_dtype(g)
+            dtype = compute_dtype(g)
             out = {}
             if "weight" in names:
                 out["weight"] = (g.to(dtype) * normalized.to(dtype)).flatten(1, -2).sum(dim=1)
@@ -866,7 +857,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """``[B, 10]`` per row (float32, float64 for float64): the first 8 values, the sum and the norm; tells which of
     a layer's checkpointed calls a recomputed input belongs to."""
-    rows, dtype = x.reshape(x.shape[0], -1), _accumulate_dtype(x)
+    rows, dtype = x.reshape(x.shape[0], -1), compute_dtype(x)
     summary = [rows.sum(dim=1, dtype=dtype), torch.linalg.vector_norm(rows, dim=1, dtype=dtype)]
     return torch.cat([rows[:, :8].to(dtype), torch.stack(summary, dim=1)], dim=1)
 
