@@ -33,6 +33,7 @@ gradient per row with ``torch.func``) to rounding.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,10 +52,12 @@ _BLOCK_ELEMENTS = 1 << 27
 # Norm-layer classes checked to compute ``w ⊙ n(x) + b`` (True) or not (False): checked once per class, because
 # the check reads a value on the host, and a host sync per layer inside the backward stalls an accelerator.
 _AFFINE_NORM_CLASSES: dict[type, bool] = {}
-# How linear layers' weight norms are computed: "auto" (the cheaper form per call), "gram" or "materialize".
-LINEAR_METHOD = "auto"
-# The tapes recording a forward now (innermost last): where lm_head_log_probs records its call.
-_RECORDING: list = []
+# How linear layers' weight norms may be computed (``linear_method``): "auto" (the cheaper form per call), "gram" or
+# "materialize".
+LINEAR_METHODS = ("auto", "gram", "materialize")
+# The tapes recording a forward now (innermost last): where lm_head_log_probs finds the row_grad_norms_sq call whose
+# objective runs it. A context variable: set and reset by the tape's ``recording()``, one value per thread and task.
+_recording: contextvars.ContextVar[tuple[_Tape, ...]] = contextvars.ContextVar("otb_ref_grad_norms_tapes", default=())
 
 
 def sequence_grad_norms_sq(
@@ -65,6 +68,8 @@ def sequence_grad_norms_sq(
     temperature: float = 1.0,
     chunked_lm_head: bool = False,
     chunk_size: int | None = None,
+    *,
+    linear_method: str = "auto",
 ) -> torch.Tensor:
     """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` for every row, in one forward + backward (F3).
 
@@ -86,6 +91,7 @@ def sequence_grad_norms_sq(
             ``model.get_output_embeddings()``, which must compute plain ``h Wᵀ`` logits (refused: a head bias,
             ``final_logit_softcapping`` or a ``logit_scale`` ≠ 1 in ``model.config``).
         chunk_size: vocabulary rows per chunk of the chunked head (default: see :func:`lm_head_log_probs`).
+        linear_method: how linear layers' weight norms are computed, as in :func:`row_grad_norms_sq`.
 
     Returns:
         ``[B]`` float32 (accumulated in float64), ``>= 0``; 0 for an empty response.
@@ -123,7 +129,7 @@ def sequence_grad_norms_sq(
         return (log_probs * mask[:, 1:].to(log_probs.dtype)).sum(dim=1)
 
     with _eval_mode(model):
-        return row_grad_norms_sq(model, response_log_likelihood)
+        return row_grad_norms_sq(model, response_log_likelihood, linear_method=linear_method)
 
 
 def _last_hidden(output) -> torch.Tensor:
@@ -165,7 +171,9 @@ def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return get_decoder(), head
 
 
-def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -> torch.Tensor:
+def row_grad_norms_sq(
+    model: nn.Module, objective: Callable[[], torch.Tensor], *, linear_method: str = "auto"
+) -> torch.Tensor:
     """``||∇_θ f_i||²`` for each row ``i`` of ``f = objective()``, in one forward + backward.
 
     Args:
@@ -178,13 +186,18 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
             Non-reentrant activation checkpointing is supported, selective too (a checkpointed call's input comes
             back with the recomputation); reentrant checkpointing and other saved-tensor hooks (e.g.
             ``save_on_cpu``) are refused.
+        linear_method: how each linear layer call's weight norm is computed: ``"auto"`` (default) the cheaper of
+            the Gram form and the materialised gradient (see :func:`linear_weight_norms_sq`), or always
+            ``"gram"`` or ``"materialize"``. Every choice gives the exact norms (to rounding).
 
     Returns:
         ``[B]`` float32 (accumulated in float64). The parameters' ``.grad`` fields are not touched.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    tape = _Tape(model)
+    if linear_method not in LINEAR_METHODS:
+        raise ValueError(f"linear_method: expected one of {LINEAR_METHODS}, got {linear_method!r}")
+    tape = _Tape(model, linear_method)
     try:
         with torch.inference_mode(False), torch.enable_grad(), tape.recording():
             f = objective()
@@ -198,6 +211,15 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
         return tape.finish().float()
     finally:
         tape.detach_hooks()
+
+
+def recorded_calls() -> list:
+    """The layer calls recorded so far by the innermost :func:`row_grad_norms_sq` whose objective is running now;
+    empty outside one. A hook for tests and debugging: each call has ``module``, ``kind`` (``"linear"``,
+    ``"embedding"`` or ``"norm"``), ``inputs`` (None while a checkpointed call waits for its recomputation),
+    ``output`` (kept only where the backward starts) and ``recomputed``."""
+    tapes = _recording.get()
+    return tapes[-1].calls if tapes else []
 
 
 # --------------------------------------------------------------------------- the LM head, chunked over the vocabulary
@@ -243,8 +265,9 @@ def lm_head_log_probs(
     if positions == 0:  # no token to predict: nothing depends on the head
         return torch.zeros(targets.shape, dtype=compute_dtype(hidden), device=hidden.device)
     recorded = None
-    if _RECORDING and torch.is_grad_enabled():
-        tape = _RECORDING[-1]
+    tapes = _recording.get()
+    if tapes and torch.is_grad_enabled():
+        tape = tapes[-1]
         call, hidden = tape.record_chunked_head(lm_head, hidden)
         if call is not None:
             recorded, weight = (tape, call), weight.detach()  # the tape books W's norms; W's gradient is not needed
@@ -347,22 +370,24 @@ class _HeadNorms:
             )
         dtype = compute_dtype(hidden)
         self.tied = {id(e): _TiedIds(_ids(e, rows), vocab, chunk_size, positions, dtype) for e in partners}
-        self.gram = _use_gram(positions, width, vocab)
+        self.gram = _use_gram(positions, width, vocab, tape.linear_method)
         self.cc = torch.zeros(rows, positions, positions, dtype=dtype, device=hidden.device) if self.gram else None
         self.norms = torch.zeros(rows, dtype=torch.float64, device=hidden.device)
 
     def add(self, c: torch.Tensor, chunk: slice) -> None:
         """One chunk's logit gradients ``c`` [B, T, c] (vocabulary rows ``chunk``)."""
         if self.gram:  # Σ_chunks c_s·c_t
-            self.cc += _bmm(c, c.transpose(1, 2))
+            self.cc += batched_matmul(c, c.transpose(1, 2))
         else:  # Σ_chunks ||c_iᵀ h_i||²
-            self.norms += _squared_norms(_bmm(c.transpose(1, 2), self.hidden))
+            self.norms += _squared_norms(batched_matmul(c.transpose(1, 2), self.hidden))
         for tied in self.tied.values():
             tied.take(c, chunk)
 
     def book(self) -> None:
         if self.gram:  # Σ_{s,t} (h_s·h_t)(c_s·c_t)
-            self.norms = (_bmm(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(dim=(1, 2), dtype=torch.float64)
+            self.norms = (batched_matmul(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(
+                dim=(1, 2), dtype=torch.float64
+            )
         self.tape.book(self.call, [self.norms], {key: tied.at_ids() for key, tied in self.tied.items()})
 
 
@@ -431,8 +456,9 @@ class _Tape:
     are there, outside the recomputation. A start of the backward keeps its input: nothing recomputes it for it.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, linear_method: str = "auto"):
         self.layers = _supported_layers(model)
+        self.linear_method = linear_method  # one of LINEAR_METHODS
         self.calls: list[_Call] = []
         self.total: torch.Tensor | None = None
         self.hooks: list = []  # handles of the output-gradient hooks
@@ -449,12 +475,12 @@ class _Tape:
         :func:`lm_head_log_probs` finds the tape here."""
         handles = [m.register_forward_pre_hook(self._enter) for m in self.layers]
         handles += [m.register_forward_hook(self._record) for m in self.layers]
-        _RECORDING.append(self)
+        token = _recording.set((*_recording.get(), self))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
         finally:
-            _RECORDING.remove(self)
+            _recording.reset(token)
             for h in handles:
                 h.remove()
 
@@ -592,10 +618,12 @@ class _Tape:
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)
             ids = {id(e): _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1) for e in partners}
-            self.book(call, _own_norms_sq(call, g).values(), {k: c.gather(2, i) for k, i in ids.items()})
+            self.book(
+                call, _own_norms_sq(call, g, self.linear_method).values(), {k: c.gather(2, i) for k, i in ids.items()}
+            )
         else:
             call.grad = g if partners else None
-            self.book(call, _own_norms_sq(call, g).values(), {})
+            self.book(call, _own_norms_sq(call, g, self.linear_method).values(), {})
         if not partners:
             call.inputs = None  # used: let it go
 
@@ -671,7 +699,7 @@ def _shared_parameters(calls: list[_Call]) -> dict[int, _Shared]:
 # --------------------------------------------------------------------------- per-row squared norms
 
 
-def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _own_norms_sq(call: _Call, g: torch.Tensor, linear_method: str) -> dict[str, torch.Tensor]:
     """``{parameter name: [B] float64}``: each trainable parameter's ``||∇ f_i||²`` from this call alone."""
     own = _trainable(call.module)
     if call.kind == "linear":
@@ -679,7 +707,7 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
         g = g.reshape(g.shape[0], -1, g.shape[-1])  # [B, T, d_out]
         out = {}
         if "weight" in own:
-            out["weight"] = linear_weight_norms_sq(a, g)
+            out["weight"] = linear_weight_norms_sq(a, g, linear_method)
         if "bias" in own:
             out["bias"] = _squared_norms(g.sum(dim=1, dtype=compute_dtype(g)))
         return out
@@ -689,8 +717,10 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: _squared_norms(gr) for n, gr in grads.items()}
 
 
-def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x @ y`` batched, result in float32 (float64 for float64) with bf16/fp16 inputs kept as they are on CUDA."""
+def batched_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` batched (``[b, n, k] @ [b, k, m]``), the result in the compute dtype (float32, float64 for float64):
+    bf16/fp16 inputs are multiplied as they are on CUDA with a float32 result (``out_dtype``, where torch has it),
+    elsewhere converted first. Every product of activations and gradients in this module goes through here."""
     dtype = compute_dtype(x)
     if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
         try:
@@ -711,10 +741,10 @@ def _row_blocks(rows: int, per_row: int):
         yield slice(start, min(rows, start + step))
 
 
-def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None = None) -> torch.Tensor:
+def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """``||Σ_t g_t a_tᵀ||²`` per row: the Gram form or the materialised gradient, whichever is cheaper.
 
-    a: [B, T, d_in], g: [B, T, d_out]. method: "auto" (default: ``LINEAR_METHOD``), "gram" or
+    a: [B, T, d_in], g: [B, T, d_out]. method: "auto" (default), "gram" or
     "materialize". Returns [B] float64.
     """
     rows, positions, d_in = a.shape
@@ -723,19 +753,18 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None 
     per_row = positions * positions if gram else d_in * g.shape[-1]
     for r in _row_blocks(rows, per_row):
         if gram:  # Σ_{s,t} (a_s · a_t)(g_s · g_t)
-            aa = _bmm(a[r], a[r].transpose(1, 2))  # [b, T, T]
-            gg = _bmm(g[r], g[r].transpose(1, 2))  # [b, T, T]
+            aa = batched_matmul(a[r], a[r].transpose(1, 2))  # [b, T, T]
+            gg = batched_matmul(g[r], g[r].transpose(1, 2))  # [b, T, T]
             out[r] = (aa * gg).sum(dim=(1, 2), dtype=torch.float64)
         else:  # ||G_i||², G_i = g_iᵀ a_i
-            out[r] = _squared_norms(_bmm(g[r].transpose(1, 2), a[r]))
+            out[r] = _squared_norms(batched_matmul(g[r].transpose(1, 2), a[r]))
     return out
 
 
-def _use_gram(positions: int, d_in: int, d_out: int, method: str | None = None) -> bool:
+def _use_gram(positions: int, d_in: int, d_out: int, method: str) -> bool:
     """Whether a linear weight's norm takes the Gram form: cost ``T² (d_in + d_out)`` against the materialised
-    gradient's ``T d_in d_out`` ("auto"), or as ``method`` (default ``LINEAR_METHOD``) says."""
-    method = method or LINEAR_METHOD
-    if method not in ("auto", "gram", "materialize"):
+    gradient's ``T d_in d_out`` ("auto"), or as ``method`` says."""
+    if method not in LINEAR_METHODS:
         raise ValueError(f"method: expected 'auto', 'gram' or 'materialize', got {method!r}")
     cheaper = positions * positions * (d_in + d_out) < positions * d_in * d_out
     return method == "gram" or (method == "auto" and cheaper)
@@ -830,16 +859,20 @@ def _cross(call_a: _Call, name_a: str, call_b: _Call, name_b: str) -> torch.Tens
     if kinds == {"linear"} and name_a == name_b == "weight":  # Σ_{s,t} (a_s·a'_t)(g_s·g'_t)
         a, g = _rows3(call_a.inputs), _rows3(call_a.grad)
         a2, g2 = _rows3(call_b.inputs), _rows3(call_b.grad)
-        return (_bmm(a, a2.transpose(1, 2)) * _bmm(g, g2.transpose(1, 2))).sum(dim=(1, 2), dtype=torch.float64)
+        return (batched_matmul(a, a2.transpose(1, 2)) * batched_matmul(g, g2.transpose(1, 2))).sum(
+            dim=(1, 2), dtype=torch.float64
+        )
     if kinds == {"linear", "embedding"}:  # Σ_{s,t} c_t[x_s] (g_s · h_t)
         linear, embedding = (call_a, call_b) if call_a.kind == "linear" else (call_b, call_a)
         h, g = _rows3(linear.inputs), _rows3(embedding.grad)  # [B, T, d], [B, S, d]
         c_at_ids = linear.grad_at_ids[id(embedding)]  # [B, T, S]: c_t[x_s]
-        return (_bmm(h, g.transpose(1, 2)).to(torch.float64) * c_at_ids.to(torch.float64)).sum(dim=(1, 2))
+        return (batched_matmul(h, g.transpose(1, 2)).to(torch.float64) * c_at_ids.to(torch.float64)).sum(dim=(1, 2))
     if kinds == {"embedding"}:  # Σ_v ⟨Σ_{x_s = v} g_s, Σ_{x'_t = v} g'_t⟩
         ids_a, ids_b = call_a.inputs.reshape(call_a.grad.shape[0], -1), call_b.inputs.reshape(call_b.grad.shape[0], -1)
         same = (ids_a[:, :, None] == ids_b[:, None, :]).to(torch.float64)  # [B, S, S']
-        return (_bmm(_rows3(call_a.grad), _rows3(call_b.grad).transpose(1, 2)).double() * same).sum(dim=(1, 2))
+        return (batched_matmul(_rows3(call_a.grad), _rows3(call_b.grad).transpose(1, 2)).double() * same).sum(
+            dim=(1, 2)
+        )
     raise ValueError(
         f"model: a parameter is shared by {type(call_a.module).__name__}.{name_a} and "
         f"{type(call_b.module).__name__}.{name_b}; per-row norms support sharing between Linear and Embedding weights"

@@ -375,8 +375,11 @@ class _FusedChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _use_fused(implementation: str, hidden: torch.Tensor) -> bool:
-    """``"auto"``: fused on CUDA with Triton (torch.compile's GPU backend), else eager. fp64: always eager."""
+def takes_fused_path(implementation: str, hidden: torch.Tensor) -> bool:
+    """Whether :func:`logprobs_and_sum_pi_squared` takes the fused path for ``implementation`` and ``hidden``.
+
+    ``"fused"``: yes, ``"eager"``: no; ``"auto"``: on CUDA with Triton (torch.compile's GPU backend). fp64: never.
+    """
     if hidden.dtype == torch.float64 or implementation == "eager":
         return False
     if implementation == "fused":
@@ -462,7 +465,7 @@ def logprobs_and_sum_pi_squared(
     inv_tau = 1.0 / positive_scalar("temperature", temperature)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}")
-    fused = _use_fused(implementation, hidden)
+    fused = takes_fused_path(implementation, hidden)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, d]
     flat_targets = targets.reshape(-1).long()  # [N]
     if chunk_size is None:

@@ -11,7 +11,9 @@ the hashes must not move. Runs on one thread in a few seconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 
 import torch
 from torch import nn
@@ -89,15 +91,23 @@ def _norm_cases(dtype: torch.dtype):
     for tied in (False, True):
         model = _tiny_qwen2(tied, dtype)
         for method in ("auto", "gram", "materialize"):
-            grad_norms.LINEAR_METHOD = method
-            try:
-                for chunked, chunk_size in ((False, None), (True, None), (True, 8)):
-                    got = grad_norms.sequence_grad_norms_sq(
-                        model, ids, response, attention, 0.9, chunked_lm_head=chunked, chunk_size=chunk_size
-                    )
-                    yield f"sequence_grad_norms_sq tied={tied} {method} chunked={chunked} chunk={chunk_size}", got
-            finally:
-                grad_norms.LINEAR_METHOD = "auto"
+            for chunked, chunk_size in ((False, None), (True, None), (True, 8)):
+                got = _sequence_norms(model, ids, response, attention, chunked, chunk_size, method)
+                yield f"sequence_grad_norms_sq tied={tied} {method} chunked={chunked} chunk={chunk_size}", got
+
+
+def _sequence_norms(model, ids, response, attention, chunked, chunk_size, method):
+    """The linear method as an argument (after issue 40), or through the module global it replaced (before)."""
+    call = functools.partial(
+        grad_norms.sequence_grad_norms_sq, model, ids, response, attention, 0.9, chunked, chunk_size
+    )
+    if "linear_method" in inspect.signature(grad_norms.sequence_grad_norms_sq).parameters:
+        return call(linear_method=method)
+    grad_norms.LINEAR_METHOD = method
+    try:
+        return call()
+    finally:
+        grad_norms.LINEAR_METHOD = "auto"
 
 
 def main() -> None:

@@ -52,12 +52,11 @@ def padded_batch(seed: int = 0, vocab: int = 29):
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", ["auto", "gram", "materialize"])
-def test_f3_one_pass_norms_equal_exact_per_row_gradients(family, tied, method, monkeypatch):
+def test_f3_one_pass_norms_equal_exact_per_row_gradients(family, tied, method):
     """||S_i||² from one forward + backward equals a separate exact gradient per row (padding, holes, ties)."""
-    monkeypatch.setattr(grad_norms, "LINEAR_METHOD", method)
     model = tiny_lm(family, tied)
     ids, response, attention = padded_batch()
-    got = sequence_grad_norms_sq(model, ids, response, attention)
+    got = sequence_grad_norms_sq(model, ids, response, attention, linear_method=method)
     assert got.dtype == torch.float32 and got.shape == (6,)
     expected = exact_norms(model, ids, response, attention)
     torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
@@ -560,8 +559,10 @@ def test_many_rows_are_one_batch():
 def test_linear_weight_norms_use_the_form_asked_for_and_auto_picks_the_cheaper(monkeypatch):
     """method="gram" multiplies [T, T] Gram matrices, "materialize" builds the [d_out, d_in] gradient, and "auto"
     the cheaper: Gram when T² (d_in + d_out) < T d_in d_out (T = 4, d = 10: 320 < 400), else materialised."""
-    shapes, real = [], grad_norms._bmm
-    monkeypatch.setattr(grad_norms, "_bmm", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y))
+    shapes, real = [], grad_norms.batched_matmul
+    monkeypatch.setattr(
+        grad_norms, "batched_matmul", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y)
+    )
     a, g = torch.randn(1, 4, 10, dtype=torch.float64), torch.randn(1, 4, 10, dtype=torch.float64)
     for method, expected in [("gram", (4, 4)), ("materialize", (10, 10)), ("auto", (4, 4))]:
         shapes.clear()
@@ -583,8 +584,9 @@ class OnCuda(torch.Tensor):
 
 @pytest.mark.parametrize("refusal", [None, TypeError, RuntimeError])
 def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal, monkeypatch):
-    """_bmm's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where torch.bmm
-    takes no out_dtype (TypeError) or the device refuses it (RuntimeError), both are upcast to float32 first."""
+    """batched_matmul's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where
+    torch.bmm takes no out_dtype (TypeError) or the device refuses it (RuntimeError), both are upcast to float32
+    first."""
     calls, real = [], torch.bmm
 
     def bmm(x, y, **options):
@@ -596,12 +598,12 @@ def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal
     monkeypatch.setattr(torch, "bmm", bmm)
     x = torch.randn(2, 3, 4).to(torch.bfloat16).as_subclass(OnCuda)
     y = torch.randn(2, 4, 5).to(torch.bfloat16).as_subclass(OnCuda)
-    got = grad_norms._bmm(x, y)
+    got = grad_norms.batched_matmul(x, y)
     assert got.dtype == torch.float32 and torch.equal(got, real(x.float(), y.float()))
     expected = [(torch.bfloat16, {"out_dtype": torch.float32})] + ([(torch.float32, {})] if refusal else [])
     assert calls == expected
     calls.clear()
-    grad_norms._bmm(torch.randn(2, 3, 4).to(torch.bfloat16), torch.randn(2, 4, 5).to(torch.bfloat16))  # CPU
+    grad_norms.batched_matmul(torch.randn(2, 3, 4).to(torch.bfloat16), torch.randn(2, 4, 5).to(torch.bfloat16))  # CPU
     assert calls == [(torch.float32, {})]
 
 
@@ -687,14 +689,11 @@ def test_row_blocks_under_a_small_budget_give_the_same_norms(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", ["gram", "materialize"])
 @pytest.mark.parametrize("chunk_size", [1, 5, None])
-def test_f3_chunked_lm_head_gives_the_exact_norms(family, tied, method, chunk_size, monkeypatch):
+def test_f3_chunked_lm_head_gives_the_exact_norms(family, tied, method, chunk_size):
     """No [B, L, V] logits: the head's norm (and a tied head's cross term) summed over vocabulary chunks, exact."""
-    monkeypatch.setattr(grad_norms, "LINEAR_METHOD", method)
     model = tiny_lm(family, tied, seed=11)
     ids, response, attention = padded_batch(seed=11)
-    got = sequence_grad_norms_sq(
-        model, ids, response, attention, temperature=0.7, chunked_lm_head=True, chunk_size=chunk_size
-    )
+    got = sequence_grad_norms_sq(model, ids, response, attention, 0.7, True, chunk_size, linear_method=method)
     expected = exact_norms(model, ids, response, attention, temperature=0.7)
     torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
     assert float(got[4]) == 0.0
@@ -915,7 +914,7 @@ def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(chec
 
     def objective():
         f = _log_likelihood(model, ids, response, attention)
-        calls = grad_norms._RECORDING[-1].calls
+        calls = grad_norms.recorded_calls()
         outside = (model.model.embed_tokens, model.model.norm, model.lm_head)
         seen["waiting"] = [c.inputs is None and c.output is None for c in calls]
         seen["recomputed"] = [c.recomputed for c in calls]
