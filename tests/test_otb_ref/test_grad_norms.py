@@ -582,6 +582,51 @@ class OnCuda(torch.Tensor):
         return True
 
 
+class EmbeddingLinearHead(nn.Module):
+    """Embedding [13, 10] -> Linear 10 -> 10 (a layer call) -> an untied head [13, 10] through lm_head_log_probs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(13, 10), nn.Linear(10, 10), nn.Linear(10, 13, bias=False)
+
+    def objective(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.mix(self.embed(ids))  # [B, T, 10]
+        return grad_norms.lm_head_log_probs(hidden, self.head, ids, chunk_size=5).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    "method, linear_shapes, head_shapes",
+    [("gram", {(4, 4)}, {(4, 4)}), ("materialize", {(10, 10)}, {(5, 10), (3, 10)}), ("auto", {(4, 4)}, {(4, 4)})],
+)
+def test_linear_method_reaches_every_linear_call_and_the_chunked_head(method, linear_shapes, head_shapes, monkeypatch):
+    """row_grad_norms_sq's linear_method picks the form of every linear layer call (T = 4, d = 10: Gram [T, T]
+    products, or materialised [d_out, d_in] gradients) and of the chunked head (Gram, or [chunk, d] per vocabulary
+    chunk of 5, 5, 3 rows); every form gives the same norms."""
+    torch.manual_seed(17)
+    model = EmbeddingLinearHead().double()
+    ids = torch.randint(0, 13, (2, 4), generator=torch.Generator().manual_seed(17))
+    shapes, real = [], grad_norms.batched_matmul
+    monkeypatch.setattr(
+        grad_norms, "batched_matmul", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y)
+    )
+    got = row_grad_norms_sq(model, lambda: model.objective(ids), linear_method="".join(method))
+    assert set(shapes) == linear_shapes | head_shapes
+    monkeypatch.undo()
+    for other in grad_norms.LINEAR_METHODS:
+        torch.testing.assert_close(got, row_grad_norms_sq(model, lambda: model.objective(ids), linear_method=other))
+    assert grad_norms.recorded_calls() == []  # outside a recording
+
+
+def test_linear_method_must_be_one_of_the_three():
+    model = EmbeddingLinearHead()
+    ids = torch.tensor([[1, 2, 3]])
+    for bad in ("Gram", None, "exact"):
+        with pytest.raises(ValueError, match=r"^linear_method: expected one of \('auto', 'gram', 'materialize'\)"):
+            row_grad_norms_sq(model, lambda: model.objective(ids), linear_method=bad)
+        with pytest.raises(ValueError, match=r"^linear_method: expected one of"):
+            sequence_grad_norms_sq(tiny_lm("qwen2", tied=False), ids, torch.tensor([[0, 1, 1]]), linear_method=bad)
+
+
 @pytest.mark.parametrize("refusal", [None, TypeError, RuntimeError])
 def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal, monkeypatch):
     """batched_matmul's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where
