@@ -1,10 +1,11 @@
-"""Every estimator and option of ``compute_advantages`` against the loop oracle (F7, §3, §4)."""
+"""Every estimator and option of ``compute_advantages`` against the loop oracle, conformance/ports/numpy_port.py
+(tests/oracle.py; F7, §3, §4)."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import reference_advantages
+from oracle import oracle_advantages
 from strategies import rollout_batches
 
 from otb_ref import ESTIMATORS, Estimator, compute_advantages, readable
@@ -25,7 +26,7 @@ _STD_EPS = {True: dict(epsilon=1e-4), False: {}}
 
 def _run_both(name, batch, **flags):
     got = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
-    want = reference_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
+    want = oracle_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
     return got, want
 
 
@@ -79,11 +80,12 @@ def test_fp32_matches_loop(batch, name, leave_one_out, with_is):
     and leave-one-out sums are formed in fp64. atol = 1e-4 (1 + max|G|) leaves a 5x margin.
     """
     flags = dict(leave_one_out=leave_one_out, std_normalize=False)
-    if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
-        flags["rollout_is_weights"] = batch.rollout_is_weights.float()
     inputs32 = {k: v.float() for k, v in batch.inputs.items()}
+    if with_is and ESTIMATORS[name].energy in ("length", "proxy"):
+        inputs32["rollout_is_weights"] = batch.rollout_is_weights.float()
     got, _ = compute_advantages(name, batch.rewards.float(), batch.mask.float(), batch.index, **inputs32, **flags)
-    want, _ = reference_advantages(name, batch.rewards.float(), batch.mask, batch.index, **inputs32, **flags)
+    inputs64 = {k: v.double() for k, v in inputs32.items()}  # the fp64 oracle on the same fp32-rounded values
+    want, _ = oracle_advantages(name, batch.rewards.float().double(), batch.mask, batch.index, **inputs64, **flags)
     assert got.dtype == torch.float32
     scale = 1.0 + float(batch.rewards.abs().sum(-1).max())
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4 * scale)
