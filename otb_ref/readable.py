@@ -261,7 +261,7 @@ def advantages(
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
     group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long, device=mask.device)  # [B] in [0, G)
-    baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
+    baseline_epsilon = epsilon if spec.epsilon_applies else 0.0  # counts divide exactly
     lengths = mask.sum(dim=-1).long()  # [B]
     counted = (lengths > 0).to(dt) if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
     v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)  # fp64
