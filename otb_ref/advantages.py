@@ -27,8 +27,8 @@ The energy axis says what the weights are:
 with ``w_t = clamp(1 − 2π_t(y_t) + Σ_v π_{t,v}², 0, 2)`` the logit-gradient proxy (F6), multiplied by ``ρ̄_t²``
 when rollout importance weights are given (§4). Advantages are ``(R − b) m_t`` or ``(G_t − B_t) m_t``, optionally
 divided by the group's std of what the baseline centres (GRPO; ``R``, or ``G_t`` pooled within positions). A group
-of one response gets no baseline: its advantage is its return. Precision: ``w_t`` in the compute dtype, everything
-after it in fp64, the outputs rounded once.
+of one response gets no baseline: its advantage is its return. The precision rule is stated once, where it is
+applied: at ``_GROUP_DTYPE`` below.
 """
 
 from __future__ import annotations
@@ -74,8 +74,11 @@ def _segment_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> 
     return out.index_add_(0, group, values)
 
 
-# Precision rule (THEORY §3): per-token energies w_t are computed in the compute dtype; from there on (W_t, G_t, R,
-# v, every group statistic, G − B) in float64, and advantages and returns are rounded to the compute dtype once.
+# Precision rule (THEORY §3), the one statement of it in this module: per-token energies w_t are computed in the
+# compute dtype (Inputs.dtype: fp64 if any value input is fp64, else fp32; the mask does not count); from there on
+# (W_t, G_t, R, v, every group statistic, σ, G − B) in _GROUP_DTYPE, float64, converted with .to(_GROUP_DTYPE) where
+# a block's values enter the group arithmetic; advantages and returns are rounded to the compute dtype once, as they
+# are put in the outputs (_put, _put_masked).
 # Leave-one-out forms are "group total minus own term": in fp32 that subtraction loses the others' share when one
 # row's weight dominates its group (a baseline of 3e3 for returns of size 1 was seen); in fp64 it is rounding.
 _GROUP_DTYPE = torch.float64
@@ -93,7 +96,7 @@ class _GroupSums(NamedTuple):
     total: torch.Tensor  # Σ_j m^j x^j
 
     def minus(self, own: _GroupSums) -> _GroupSums:
-        """Leave-one-out: the others' sums, the group's minus the row's own terms (fp64, see ``_GROUP_DTYPE``)."""
+        """Leave-one-out: the others' sums, the group's minus the row's own terms."""
         return _GroupSums(
             self.members - own.members, self.weighted - own.weighted, self.weight - own.weight, self.total - own.total
         )
@@ -333,12 +336,12 @@ def _sequence_advantages(
     returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
     for groups in blocks:
         block = _read_block(spec, inputs, groups.rows)
-        rewards = block.rewards.flip(-1)  # R = G_0 [b], in fp64 summed from the end (as G_t: ties stay exact)
+        rewards = block.rewards.flip(-1)  # R = G_0 [b], summed from the end (as G_t: ties stay exact)
         R = rewards.to(_GROUP_DTYPE).cumsum_(-1)[:, -1] if length else rewards.sum(-1, dtype=_GROUP_DTYPE)
         if block.norms is not None:
             v = block.norms.to(_GROUP_DTYPE)  # v = ||S||²
         elif block.w is not None:
-            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t in fp64
+            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t
         else:
             v = torch.ones_like(R)  # uniform: 1
         group, ones = groups.group, torch.ones_like(R)
@@ -348,7 +351,7 @@ def _sequence_advantages(
         if spec.leave_one_out:
             at = at.minus(own)
         in_group = sums.members[group] >= 2  # [b]
-        advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b] fp64
+        advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
             advantage = advantage * _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, per_coordinate)
@@ -387,16 +390,16 @@ def _token_block(
     epsilon: float,
     baseline_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[b, T]`` (fp64; rounded once as they are put in place) of one block of whole groups."""
+    """Advantages and returns ``[b, T]`` (``_GROUP_DTYPE``) of one block of whole groups."""
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
     lengths = block.mask.sum(dim=-1).long()  # generated tokens per row
     mask = block.mask.to(_GROUP_DTYPE)
-    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k in fp64, from the end
+    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
     if block.W is not None:
         W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
     elif block.w is not None:
-        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j (fp64), 0 off the mask
+        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
     else:
         W = mask  # uniform: W_t = 1 while alive
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
@@ -506,10 +509,8 @@ def compute_advantages(
     Returns:
         ``(advantages, returns)``, both ``[B, T]``, fp32, or fp64 if any value
         input (rewards, log-probs, Σπ², energies, IS weights) is fp64; the
-        mask's dtype does not matter. Precision rule: per-token energies in
-        that dtype; returns, realized energies, group sums, baselines, σ and
-        ``G − B`` in fp64; the outputs rounded once (leave-one-out sums are
-        "group total minus own term" in fp64).
+        mask's dtype does not matter; computed in fp64 from the per-token
+        energies on and rounded once (THEORY §3).
         ``returns`` is what the baseline is subtracted from: ``G_t``
         (token level; the reverse cumulative sum of masked rewards, so a hole
         holds the reward still to come) or ``R m_t`` (sequence level).
