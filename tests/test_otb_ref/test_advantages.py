@@ -70,6 +70,32 @@ def test_rollout_is_weights_match_loop(batch, name, leave_one_out, multi_turn, h
     torch.testing.assert_close(adv, want, **TOL)
 
 
+@given(
+    rollout_batches(),
+    st.sampled_from(sorted(ESTIMATORS)),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+def test_readable_matches_loop(batch, name, leave_one_out, std_normalize, multi_turn, handle_zero_tail, with_is):
+    """The readable form, like the fast path, equals the loop oracle (it is tested against the fast path too, in
+    tests/test_otb_ref/test_readable.py): every estimator and flag, with IS weights where they apply. TOL as
+    above (readable's leave-one-out sums are also "group total minus own term")."""
+    spec = ESTIMATORS[name]
+    flags = dict(leave_one_out=leave_one_out, std_normalize=std_normalize, **_STD_EPS[std_normalize])
+    if spec.granularity == "token":
+        flags.update(multi_turn=multi_turn, handle_zero_tail=handle_zero_tail)
+    inputs = dict(batch.inputs)
+    if with_is and spec.per_token_energy:
+        inputs["rollout_is_weights"] = batch.rollout_is_weights
+    adv, ret = readable.advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
+    want_adv, want_ret = oracle_advantages(name, batch.rewards, batch.mask, batch.index, **inputs, **flags)
+    torch.testing.assert_close(adv, want_adv, **TOL)
+    torch.testing.assert_close(ret, want_ret, **TOL)
+
+
 @given(rollout_batches(uniform_mix=0.3), st.sampled_from(sorted(ESTIMATORS)), st.booleans(), st.booleans())
 def test_fp32_matches_loop(batch, name, leave_one_out, with_is):
     """fp32 inputs against the fp64 oracle on the same (fp32-rounded) values.
