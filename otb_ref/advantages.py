@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 import torch
 
 from otb_ref import _validation
-from otb_ref._validation import Inputs
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
 from otb_ref.proxy import token_energy  # F6: the one definition of the per-token energy, shared on purpose
 
@@ -236,7 +235,7 @@ def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: to
     return w
 
 
-def _read_block(spec: Estimator, inputs: Inputs, rows: slice | torch.Tensor) -> _Block:
+def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch.Tensor) -> _Block:
     """Read one block of rows, checked (:func:`otb_ref._validation.check_block`, on these rows just before the
     arithmetic below reads them again from cache), zero it off the mask, compute its per-token energies ``w`` (or
     take ``W`` or ``‖S‖²`` as given).
@@ -325,7 +324,7 @@ def _zero_tail_start(
 
 
 def _sequence_advantages(
-    spec: Estimator, inputs: Inputs, epsilon: float, baseline_epsilon: float
+    spec: Estimator, inputs: _validation.Inputs, epsilon: float, baseline_epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table), block by block of
     whole groups (:func:`_group_blocks`)."""
@@ -361,7 +360,12 @@ def _sequence_advantages(
 
 
 def _token_advantages(
-    spec: Estimator, inputs: Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_epsilon: float
+    spec: Estimator,
+    inputs: _validation.Inputs,
+    multi_turn: bool,
+    handle_zero_tail: bool,
+    epsilon: float,
+    baseline_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
 
@@ -383,7 +387,7 @@ def _token_advantages(
 
 def _token_block(
     spec: Estimator,
-    inputs: Inputs,
+    inputs: _validation.Inputs,
     groups: _GroupBlock,
     multi_turn: bool,
     handle_zero_tail: bool,
