@@ -224,15 +224,20 @@ def _apply_mask(
     return torch.where(valid, values, 0.0)
 
 
-def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-token energy ``w_t ρ̄_t²`` of the energies ``length`` (w = 1) and ``proxy`` (F6) from the block's values."""
+def _per_token_energy(
+    spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor, clean: bool, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-token energy ``w_t ρ̄_t²`` of the energies ``length`` (w = 1) and ``proxy`` (F6) from the block's values,
+    zero off the mask (``clean``, ``valid``: see :func:`_apply_mask`)."""
+    if spec.energy == "length" and "rollout_is_weights" not in values:
+        return mask  # w_t = 1 on the mask, already zero off it
     if spec.energy == "length":
         w = mask
     else:
         w = token_energy(values["old_log_probs"], values["sum_pi_squared"])  # 1 − 2π + Σπ² (F6)
     if "rollout_is_weights" in values:
         w = w * values["rollout_is_weights"].square()
-    return w
+    return _apply_mask(w, clean, mask, valid, fresh=True)
 
 
 def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch.Tensor) -> _Block:
@@ -250,10 +255,8 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
     rewards = _apply_mask(values.pop("token_level_rewards"), read.clean["token_level_rewards"], mask, read.valid)
     all_clean = all(read.clean[name] for name in values)
     w = W = norms = None
-    if spec.energy == "length" and "rollout_is_weights" not in values:
-        w = mask  # w_t = 1 on the mask, already zero off it
-    elif spec.per_token_energy:
-        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, read.valid, fresh=True)
+    if spec.per_token_energy:
+        w = _per_token_energy(spec, values, mask, all_clean, read.valid)
     elif "cumulative_energy" in values:
         W = _apply_mask(values["cumulative_energy"], all_clean, mask, read.valid)  # ||S_t||², already realized
     if "grad_norms_sq" in spec.inputs:
