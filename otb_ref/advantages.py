@@ -29,6 +29,24 @@ when rollout importance weights are given (§4). Advantages are ``(R − b) m_t`
 divided by the group's std of what the baseline centres (GRPO; ``R``, or ``G_t`` pooled within positions). A group
 of one response gets no baseline: its advantage is its return. The precision rule is stated once, where it is
 applied: at ``_GROUP_DTYPE`` below.
+
+Where each rule of THEORY §3 and §4 is applied here (one place each; ``tests/test_otb_ref/test_independence.py``
+checks that the names exist):
+
+    per-token energy w_t, the clamp, ρ̄_t²        _per_token_energy (token_energy: F6's one definition)
+    values off the mask ignored                   _apply_mask
+    W_t, G_t (from the end)                       _token_block
+    v, R                                          _sequence_advantages
+    the group's members and their sums            _GroupSums, _GroupBlock.sum
+    the baseline, ε shared, Ḡ where Σ a + ε = 0   _baseline_from_sums
+    ε only for energies                           compute_advantages (Estimator.epsilon_applies)
+    leave-one-out                                 _GroupSums.minus
+    a group of one: no baseline                   _token_block (group_has_baseline), _sequence_advantages (in_group)
+    std scaling, zero spread                      _std_scale
+    multi-turn ranks                              _generated_token_rank, _to_slots, _at_slots
+    zero tail                                     _zero_tail_start
+    precision                                     _GROUP_DTYPE
+    input rules (every error)                     otb_ref._validation
 """
 
 from __future__ import annotations

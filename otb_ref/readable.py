@@ -41,6 +41,20 @@ prompt.
   0 at positions ``≥`` the second-longest length: ranks with multi-turn, absolute positions without (as in
   verl; with holes and no multi-turn, lengths and positions then differ).
 
+Where each rule is applied in :func:`advantages` (one place each; ``tests/test_otb_ref/test_independence.py``
+checks that the names exist; :func:`otb_advantages` states OTB's rules in its own lines):
+
+    per-token energy w_t, the clamp, ρ̄_t²; v, W_t    energies (token_energy: F6's one definition)
+    G_t (from the end), R                            returns_to_go, advantages
+    values off the mask ignored                      advantages
+    the baseline, ε shared, Ḡ, leave-one-out         group_baseline
+    ε only for energies                              advantages (Estimator.epsilon_applies)
+    a group of one: no baseline                      sequence_advantages, token_advantages (_group_size)
+    std scaling, zero spread                         group_std, std_scaled
+    multi-turn ranks                                 generated_token_rank, to_slots
+    zero tail                                        _zero_tail_start
+    precision                                        advantages (where dt is chosen)
+
 Values off the mask are ignored, whatever they are (NaN included). Leave-one-out sums are "group total minus
 own term" in fp64, as in the fast path: when the others' weights are below ~1e-16 of a row's own and ε = 0, that
 difference is rounding (computing ``Σ_{j ≠ i}`` directly, as :func:`otb_advantages` does, gives other numbers

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,32 @@ def test_no_estimator_name_is_compared(path):
         if set(constants(value)) & names
     ]
     assert not compared, f"{path} compares estimator names at lines {compared}"
+
+
+@pytest.mark.parametrize("name", ["advantages", "readable"])
+def test_the_rule_index_names_definitions_of_the_module(name):
+    """Each module's docstring says where each rule is applied; every name it gives exists there (a rename that
+    forgets the index fails), and the index names at least the rules of THEORY §3 listed here."""
+    path = PACKAGE / f"{name}.py"
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree)
+    index = doc.split("Where each rule", 1)[1].split("\n\n", 2)[1]
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    rules = {
+        "energy",
+        "mask",
+        "baseline",
+        "leave-one-out",
+        "group of one",
+        "std",
+        "multi-turn",
+        "zero tail",
+        "precision",
+    }
+    assert all(any(rule in line for line in index.splitlines()) for rule in rules), index
+    for line in index.splitlines():
+        where = re.sub(r"\(.*?\)", "", line.split("  ")[-1])  # the names, without remarks in parentheses
+        for name in (n.strip() for n in where.split(",")):
+            if not name.startswith("otb_ref."):  # another module: the import rules above cover it
+                assert name.split(".")[0] in defined, f"{path.name}: {line!r} names {name}, not defined there"
