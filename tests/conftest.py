@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/strategies.py, tests/reference.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/strategies.py, tests/oracle.py
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

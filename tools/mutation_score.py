@@ -63,6 +63,7 @@ MODULES = {
     "estimators": ("otb_ref/estimators.py", ()),
     "proxy": ("otb_ref/proxy.py", ()),
     "_checks": ("otb_ref/_checks.py", ()),
+    "_validation": ("otb_ref/_validation.py", ()),
     "diagnostics": ("otb_ref/diagnostics.py", ()),
     "grad_norms": ("otb_ref/grad_norms.py", ()),
     "exact": ("otb_ref/exact", ("otb_ref/exact/__main__.py",)),

@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import reference_advantages
+from oracle import oracle_advantages
 from strategies import PolicyCase, policy_cases, rollout_batches
 
 from otb_ref import ESTIMATORS, compute_advantages
@@ -803,7 +803,7 @@ def test_f7_zero_epsilon_with_holes_matches_loop(batch, name, leave_one_out, mul
     if ESTIMATORS[name].granularity == "token":
         flags.update(multi_turn=multi_turn, handle_zero_tail=zero_tail)
     got, _ = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
-    want, _ = reference_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
+    want, _ = oracle_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
