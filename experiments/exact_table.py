@@ -1,4 +1,5 @@
-"""Exact variance table: ``python -m otb_ref.exact [--vocab 3] [--horizons 2 3 4 5 6] [--seed 0] [--out FILE]``.
+"""Exact variance table:
+``python -m experiments.exact_table [--vocab 3] [--horizons 2 3 4 5 6] [--seed 0] [--out FILE]``.
 
 For a tabular tree policy and a parameter-shared policy (vocabulary with EOS,
 outcome reward ``R = 1`` when the response holds an odd number of token 1),
@@ -18,7 +19,9 @@ prints, computed exactly by enumeration:
 
 ``--out FILE`` also writes the same text, without the timing line, to ``FILE``
 (the committed copy is ``docs/exact_table.md``, written with the default
-settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date).
+settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date). It is a measurement, not
+part of the library: it lives with the experiments and imports only :mod:`otb_ref` (run it from the repository
+root; ``python experiments/exact_table.py`` runs the same).
 
 Nothing here is asserted: it is measured. The theorems are in ``proofs/``.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from otb_ref.advantages import ESTIMATORS
+from otb_ref import ESTIMATORS
 from otb_ref.exact.groups import MAX_TUPLES, group_moments
 from otb_ref.exact.moments import POPULATION_ESTIMATORS, estimator_moments, outcome_rewards, population_advantages
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
@@ -358,7 +361,7 @@ def versions(args: argparse.Namespace) -> str:
 def file_text(args: argparse.Namespace, table: str) -> str:
     """What ``--out`` writes: a provenance comment, then the table."""
     return (
-        f"<!-- Written by\n     python -m otb_ref.exact {_settings(args)} --out <this file>\n"
+        f"<!-- Written by\n     python -m experiments.exact_table {_settings(args)} --out <this file>\n"
         f"     with {versions(args)}. Do not edit by hand: regenerate. -->\n\n" + table
     )
 
