@@ -163,9 +163,7 @@ def main(argv: list[str] | None = None) -> Path:
         for label, commit in COMMITS.items():
             path = rerun(RECORD, commit, records_dir)
             if args.commit:
-                import variance_lr_pilot as pilot
-
-                pilot.commit_paths([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
+                commit([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
     loaded = load(args.out_dir)
     if loaded is None:
         parser.error(f"--report-only: a rerun of {RECORD} is missing in {records_dir}")
