@@ -49,11 +49,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import emit, machine, provenance  # beside this file
+from otb_train.tasks import hugging_face_char_tokenizer  # installed, or PYTHONPATH=. (gpu_device_checks.sh)
 
-from harness import emit, machine, provenance  # noqa: E402
-from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
 GENERATION = dict(hidden=1024, layers=16, heads=64, kv_heads=32, intermediate=4096, vocab=64, tied=False)

@@ -43,3 +43,18 @@ def test_the_library_holds_no_table_printer():
     """The exact table is a measurement: ``python -m experiments.exact_table``, not a module of ``otb_ref``."""
     assert not (ROOT / "otb_ref" / "exact" / "__main__.py").exists()
     assert _imported(EXPERIMENTS / "exact_table.py") & {"common", "otb_train"} == set()
+
+
+def test_no_sys_path_edits_outside_tests():
+    """Scripts find their siblings as scripts do (their folder is ``sys.path[0]``), ports are loaded by their paths
+    (``conformance/check.py``'s ``load_module``), packages by installation or ``PYTHONPATH``."""
+    edits = ("sys.path.insert(", "sys.path.append(", "sys.path[:0]", "sys.path.extend(")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("otb_ref", "otb_train", "experiments", "benchmarks", "conformance", "tools", "examples")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if any(edit in line for edit in edits)
+    ]
+    found += [name for name in ("train.py", "plot.py") if any(e in (ROOT / name).read_text() for e in edits)]
+    assert not found, f"sys.path edited outside tests/: {found}"
