@@ -20,8 +20,9 @@ prints, computed exactly by enumeration:
 ``--out FILE`` also writes the same text, without the timing line, to ``FILE``
 (the committed copy is ``docs/exact_table.md``, written with the default
 settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date). It is a measurement, not
-part of the library: it lives with the experiments and imports only :mod:`otb_ref` (run it from the repository
-root; ``python experiments/exact_table.py`` runs the same).
+part of the library: it lives with the experiments and imports :mod:`otb_ref` and, for its tiny Qwen2,
+:mod:`otb_train.tiny_models` (run it from the repository root; ``python experiments/exact_table.py`` runs the
+same).
 
 Nothing here is asserted: it is measured. The theorems are in ``proofs/``.
 """
@@ -251,26 +252,15 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
     """Realized proxy energy W_t vs exact ||S_t||² on a tiny random-init Qwen2 (F6 approximation, measured)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64
     from otb_ref.proxy import sum_pi_squared, token_energy
+    from otb_train.tiny_models import tiny_causal_lm
 
     rows = []
     for init in (0.02, 0.3, 1.0):
-        torch.manual_seed(seed)
-        config = Qwen2Config(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-            initializer_range=init,
-            tie_word_embeddings=False,
-        )
-        model = Qwen2ForCausalLM(config).double().eval()
+        sizes = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+        model = tiny_causal_lm("qwen2", seed, initializer_range=init, tie_word_embeddings=False, **sizes)
+        model = model.double().eval()
         ids = torch.randint(1, 32, (batch, 2))  # two prompt tokens
         with torch.no_grad():
             for _ in range(length):  # sample responses from the model itself

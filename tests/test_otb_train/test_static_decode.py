@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 
 from otb_train.model import Policy
 from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
+from otb_train.tiny_models import tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
 
