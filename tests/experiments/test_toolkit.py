@@ -58,3 +58,14 @@ def test_no_sys_path_edits_outside_tests():
     ]
     found += [name for name in ("train.py", "plot.py") if any(e in (ROOT / name).read_text() for e in edits)]
     assert not found, f"sys.path edited outside tests/: {found}"
+
+
+def test_stability_runs_the_reproductions_task():
+    """stability.py states the reproduction's task itself (it imports no experiment): the two must not drift."""
+    import sys
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    import reproduction
+    import stability
+
+    assert stability.TASK == reproduction.TASK
