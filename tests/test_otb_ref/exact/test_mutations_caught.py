@@ -167,7 +167,8 @@ def _policy_gradient(enum, rewards):
 
 
 def _parity_case(policy) -> PolicyCase:
-    """Outcome reward ``R = 1`` when the response holds an odd number of token 1 (as ``python -m otb_ref.exact``)."""
+    """Outcome reward ``R = 1`` when the response holds an odd number of token 1 (as in
+    ``python -m experiments.exact_table``)."""
     enum = enumerate_policy(policy, keep_scores=True)
     ones = ((enum.tokens == 1).double() * enum.mask).sum(-1)
     return PolicyCase(enum, outcome_rewards(enum, (ones % 2 == 1).double()), True)
