@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from otb_ref import compute_advantages, variance_proxy_metrics
+from otb_ref import ESTIMATORS, compute_advantages, variance_proxy_metrics
 from otb_train import checkpoints, distributed
 from otb_train.config import (
     Config,
@@ -184,7 +184,8 @@ def estimate_advantages(run: Run, batch: Batch) -> None:
     """otb_ref.compute_advantages(--estimator), with exact gradient energies for eob and otb_exact."""
     cfg, b = run.cfg, batch
     energies = {}
-    if cfg.estimator == "eob":  # ||S||^2 of every response, micro-batch by micro-batch; no .grad is touched
+    # ||S||^2 of every response ("eob"), micro-batch by micro-batch; no .grad is touched
+    if "grad_norms_sq" in ESTIMATORS[cfg.estimator].inputs:
         norms = [
             sequence_norms(run.policy, b.sequences[r], b.attention[r], b.positions[r], b.response_ids[r], b.mask[r])
             for r in run.micro
@@ -431,7 +432,7 @@ def prepare(cfg: Config, data, line_numbers: list[int], env: distributed.Dist) -
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and env.device.type == "cuda")
     # "otb_exact" needs ||S_t||^2 at every token: otb_ref.exact on a full copy (small models only). "eob" needs
     # ||S||^2 per response: one forward + backward of the sharded policy itself (otb_ref.row_grad_norms_sq).
-    exact_lm = copy.deepcopy(lm).to(env.device) if cfg.estimator == "otb_exact" else None
+    exact_lm = copy.deepcopy(lm).to(env.device) if "cumulative_energy" in ESTIMATORS[cfg.estimator].inputs else None
     ref_lm = copy.deepcopy(lm).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen initial policy
     policy = shard_policy(cfg, lm, env, bf16, cfg.activation_checkpointing, cfg.compile_layers)
     reference = shard_policy(cfg, ref_lm, env, bf16, False, False) if ref_lm is not None else None

@@ -37,9 +37,8 @@ def worker(batch: int, length: int, group: int, estimator: str, repeats: int, th
     """In a fresh process whose ``otb_ref`` is one tree's: median seconds of ``repeats`` calls after a warm-up."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import otb_ref
-    from harness import otb_inputs
+    import otb_ref  # the tree's: PYTHONPATH (run_worker)
+    from harness import otb_inputs  # beside this file
 
     torch.set_num_threads(threads)
     rewards, mask, index, log_probs, sum_pi_squared = otb_inputs(batch, length, group, torch.device("cpu"))
@@ -127,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"1-minute load average {load:.2f} >= 1.0: not a quiet machine; not timing (--allow-load to force)")
         return 2
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (closed below)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from harness import provenance
 
     emit(dict(provenance(), base=args.base, threads=args.threads, cpu=_cpu(), load_1min=load), out)

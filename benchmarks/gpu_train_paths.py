@@ -67,6 +67,7 @@ from otb_train.losses import clipped_policy_loss
 from otb_train.model import Policy, build_model_and_tokenizer
 from otb_train.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder
+from otb_train.tiny_models import QWEN25_05B, tiny_causal_lm
 
 H100_BF16_DENSE_TFLOPS = 989.0
 FULL = dict(
@@ -77,14 +78,7 @@ FULL = dict(
     gen_new=512,
     sample_vocab=151936,
     sample_rows=512,
-    update=dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-    ),
+    update={k: v for k, v in QWEN25_05B.items() if k != "tie_word_embeddings"},  # Qwen2.5-0.5B's shape
     prompt=512,
     response=512,
     rows_per_step=32,
@@ -342,19 +336,10 @@ def update_model_flops(config, rows: int, prompt: int, response: int) -> float:
 
 def update_model(shape: dict, device: torch.device):
     """A random-init Qwen2 of the update shape, built on ``device`` (no download)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        **shape["update"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-    )
-    torch.manual_seed(0)
+    extra = dict(max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
     with torch.device(device):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return lm, config
+        lm = tiny_causal_lm("qwen2", 0, torch.float32, **shape["update"], **extra)
+    return lm, lm.config
 
 
 def update_batch(shape: dict, vocab: int, rows: int, device: torch.device, padded: bool):

@@ -49,16 +49,19 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import emit, machine, provenance  # beside this file
+from otb_train.tasks import hugging_face_char_tokenizer  # installed, or PYTHONPATH=. (gpu_device_checks.sh)
+from otb_train.tiny_models import QWEN25_05B, tiny_causal_lm
 
-from harness import emit, machine, provenance  # noqa: E402
-from otb_train.tasks import hugging_face_char_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 EOS_MARGIN = 40.0  # scale of the non-EOS LM-head rows: logits of std ~25 against the EOS logit 0
-GENERATION = dict(hidden=1024, layers=16, heads=64, kv_heads=32, intermediate=4096, vocab=64, tied=False)
-QWEN_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True)
-QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=64, tied=False)
+# Model shapes in Hugging Face's config names (otb_train.tiny_models builds them).
+GENERATION = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=64, num_key_value_heads=32,
+                  intermediate_size=4096, vocab_size=64, tie_word_embeddings=False)  # fmt: skip
+QWEN_05B = QWEN25_05B
+QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=64, tie_word_embeddings=False)  # fmt: skip
 ROLLOUT = ["--prompts-per-step", "64", "--group-size", "8", "--max-new-tokens", "512", "--copy-lengths", "255", "511"]
 ROLLOUT_QUICK = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "16", "--copy-lengths", "4", "8"]
 # Mixed prompt lengths (17-512 tokens), 256 rows: the 0.5B generation case whose EOS ends responses (mean ~1/200).
@@ -92,24 +95,9 @@ VARIANTS = {  # train_step variants: extra train.py flags
 def write_checkpoint(directory: Path, shape: dict, seed: int = 0, eos_probability: float | None = None) -> int:
     """A random-init Qwen2 of ``shape`` with the character tokenizer; its parameters. Its EOS never wins a draw
     (``eos_probability=None``), or has about that probability per token (:func:`reach_eos`)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     tokenizer = hugging_face_char_tokenizer()
-    config = Qwen2Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=2048,
-        tie_word_embeddings=shape["tied"],
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    lm = Qwen2ForCausalLM(config)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    lm = tiny_causal_lm("qwen2", seed, **shape, max_position_embeddings=2048, **ids)
     with torch.no_grad():
         if eos_probability is None:
             head = lm.get_output_embeddings().weight
@@ -214,7 +202,7 @@ def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
                 "rollout_s": round(record["time/rollout"], 3),
                 "tokens_per_s": round(record["throughput/generation_tokens_per_s"], 1),
                 "parameters": parameters,
-                "vocab": shape["vocab"],
+                "vocab": shape["vocab_size"],
                 "eos_reachable": eos_probability is not None,
                 "command": " ".join(["python", *command[1:]]),
             }
@@ -230,18 +218,19 @@ def update_flops(shape: dict, rows: int, prompt: float, response: float, epochs:
 
     from gpu_train_paths import update_model_flops
 
-    d, layers, f, vocab = shape["hidden"], shape["layers"], shape["intermediate"], shape["vocab"]
+    d, layers, f = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    vocab, heads, kv_heads = shape["vocab_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     config = SimpleNamespace(
         hidden_size=d,
         num_hidden_layers=layers,
         intermediate_size=f,
         vocab_size=vocab,
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
     )
-    q, k = d, shape["kv_heads"] * (d // shape["heads"])
+    q, k = d, kv_heads * (d // heads)
     body = layers * (2 * d * q + 2 * d * k + 3 * d * f + 2 * d + q + 2 * k) + d  # matmuls, norms, q/k/v biases
-    non_embedding = body + (0 if shape["tied"] else vocab * d)  # an untied head is not an embedding
+    non_embedding = body + (0 if shape["tie_word_embeddings"] else vocab * d)  # an untied head is not an embedding
     seq = prompt + response
     titan = (6 * non_embedding + 12 * layers * d * seq) * seq * rows
     return {"palm": update_model_flops(config, rows, prompt, response) * epochs, "torchtitan": titan * epochs}

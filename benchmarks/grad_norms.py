@@ -31,6 +31,7 @@ import torch
 from harness import device_busy_seconds, machine, provenance, sync, timed
 from otb_ref import row_grad_norms_sq
 from otb_train.model import enable_hf_activation_checkpointing
+from otb_train.tiny_models import QWEN25_05B, tiny_causal_lm
 
 CPU_CASES = [
     dict(width=64, layers=2, heads=4, kv=2, ffn=256, vocab=64, tied=False, shape=(16, 64)),
@@ -41,8 +42,18 @@ QUICK_CASES = [
     dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16)),
     dict(width=32, layers=1, heads=2, kv=1, ffn=64, vocab=50, tied=True, shape=(4, 16), head="chunked"),
 ]
-# Qwen2.5-0.5B's shape: 24 layers, width 896, 14 heads of 64, 2 KV heads, MLP 4864, vocabulary 151936, tied.
-GPU_MODEL = dict(width=896, layers=24, heads=14, kv=2, ffn=4864, vocab=151936, tied=True)
+# Qwen2.5-0.5B's shape (otb_train.tiny_models.QWEN25_05B) in this file's names: 24 layers, width 896, 14 heads of 64,
+# 2 KV heads, MLP 4864, vocabulary 151936, tied.
+SIZE_NAMES = dict(
+    width="hidden_size",
+    layers="num_hidden_layers",
+    heads="num_attention_heads",
+    kv="num_key_value_heads",
+    ffn="intermediate_size",
+    vocab="vocab_size",
+    tied="tie_word_embeddings",
+)
+GPU_MODEL = {name: QWEN25_05B[hf] for name, hf in SIZE_NAMES.items()}
 # The model's own head ([B, T, V] logits): (shape, activation checkpointing).
 GPU_FULL_CASES = [((16, 512), False), ((16, 512), True), ((32, 512), True)]
 # Past 16k tokens (full [B, T, V] logits no longer fit): the chunked head, with and without activation checkpointing.
@@ -50,21 +61,9 @@ GPU_CHUNKED_SHAPES = [(8, 4096), (16, 2048)]
 
 
 def build(case: dict, device: torch.device, dtype: torch.dtype, checkpointing: bool = False):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=case["vocab"],
-        hidden_size=case["width"],
-        intermediate_size=case["ffn"],
-        num_hidden_layers=case["layers"],
-        num_attention_heads=case["heads"],
-        num_key_value_heads=case["kv"],
-        tie_word_embeddings=case["tied"],
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
+    sizes = {hf: case[name] for name, hf in SIZE_NAMES.items()}
     with torch.device(device):  # initialise on the device: seconds saved per 0.5B model
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = tiny_causal_lm("qwen2", 0, dtype, **sizes, max_position_embeddings=4096).eval()
     if checkpointing:
         enable_hf_activation_checkpointing(model)
         model.train()  # transformers checkpoints only in training mode (no dropout in this config)

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from harness import emit, machine
+from otb_train.tiny_models import QWEN25_05B, tiny_causal_lm
 
 VARIANTS = {  # name: (use_fused_kernels, calculate_sum_pi_squared)
     "fused": (True, False),
@@ -41,16 +42,14 @@ def _status_kib(field: str) -> int:
 
 
 def _model(args, fused: bool):
-    import transformers
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
-    config = transformers.Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-        max_position_embeddings=max(4096, args.tokens), attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    heads = {k: QWEN25_05B[k] for k in ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")}
+    model = tiny_causal_lm(
+        "qwen2", 0, torch.float32, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, max_position_embeddings=max(4096, args.tokens), attn_implementation="sdpa",
+        **heads,
+    ).eval()  # fmt: skip
     apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=fused, fused_kernels_backend="torch")
     return model
 
@@ -142,9 +141,9 @@ def _record(args, variant: str, passes: list[tuple[float, float]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=QWEN25_05B["hidden_size"])
+    parser.add_argument("--intermediate", type=int, default=QWEN25_05B["intermediate_size"])
+    parser.add_argument("--vocab", type=int, default=QWEN25_05B["vocab_size"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each runs every variant once")

@@ -80,17 +80,24 @@ def load_vectors(path: str | Path) -> dict:
     return document
 
 
-def load_function(target: str):
-    """``FILE.py:FUNCTION`` -> the callable."""
-    path, _, name = target.rpartition(":")
-    if not path or not name:
-        raise SystemExit(f"usage: FILE.py:FUNCTION, got {target!r}")
+def load_module(path: str | Path):
+    """The Python file ``path`` as a module named by its stem (a port is a file, not a package: loaded by its path,
+    nothing added to ``sys.path``)."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if spec is None or spec.loader is None or not Path(path).is_file():
         raise SystemExit(f"no such file: {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def load_function(target: str):
+    """``FILE.py:FUNCTION`` -> the callable."""
+    path, _, name = target.rpartition(":")
+    if not path or not name:
+        raise SystemExit(f"usage: FILE.py:FUNCTION, got {target!r}")
+    module = load_module(path)
     if not callable(getattr(module, name, None)):
         raise SystemExit(f"{path} has no function {name!r}")
     return getattr(module, name)

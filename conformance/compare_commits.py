@@ -21,12 +21,11 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+import check  # beside this file: the script's folder is on sys.path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-import check  # noqa: E402
 
 
 def outputs(path: str) -> None:

@@ -33,19 +33,20 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import check  # beside this file (run as `python conformance/generate.py`, or from tests/test_conformance.py)
+import inputs
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-for folder in (HERE / "ports" / "bugs", HERE / "ports", HERE):
-    sys.path.insert(0, str(folder))
-import check  # noqa: E402
-import inputs  # noqa: E402
-import numpy_port  # noqa: E402
-import one_rule  # noqa: E402
-import otb_ref_numpy  # noqa: E402
-import vector_port  # noqa: E402
+from otb_ref import ESTIMATORS
 
-from otb_ref import ESTIMATORS  # noqa: E402
+HERE = Path(__file__).resolve().parent
+PORTS = HERE / "ports"
+# The ports are files, loaded by their paths (check.load_module), or the modules of those names already loaded.
+numpy_port, otb_ref_numpy, vector_port = (
+    sys.modules.get(name) or check.load_module(PORTS / f"{name}.py")
+    for name in ("numpy_port", "otb_ref_numpy", "vector_port")
+)
+one_rule = sys.modules.get("one_rule") or check.load_module(PORTS / "bugs" / "one_rule.py")
 
 OUT = HERE / "vectors.json"
 RULES = {rule: f"PORTING item {item}; its port: {what}" for rule, (item, what) in one_rule.RULES.items()}

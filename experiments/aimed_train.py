@@ -80,9 +80,9 @@ def surrogate_gradient(lm, names, sequences, attention, response_ids, mask, adva
 
 def reference_halves(lm, names, cfg, step: int, prompts: int, group: int, micro: int) -> list[torch.Tensor]:
     """Two independent halves of the RLOO reference gradient at the current parameters (``prompts // 2`` each)."""
-    from common import sample_synthetic
     from otb_ref import compute_advantages
     from otb_train.tasks import synthetic_problem
+    from otb_train.warm_start import sample_synthetic
 
     seed = cfg.seed + AIM_SEED_OFFSET
     halves = []

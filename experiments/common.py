@@ -1,15 +1,33 @@
-"""What every experiment shares: the machine's name, the report file, plots, and sampling a synthetic task."""
+"""The lab's toolkit: what the experiments' drivers share, and nothing experiment-specific.
+
+* Provenance: :func:`read_code_state`, :data:`CODE_AT_START`, :func:`code_text`, :func:`machine_name`,
+  :func:`command_line`.
+* Reports and records: :func:`write_report`, :func:`write_records`, :func:`write_json_record`, :func:`compact`;
+  :func:`load_records` reads the per-run records of the records-based drivers back.
+* Records-based drivers (reproduction, stability, stability_long): :func:`driver_parser` (their shared command line),
+  :func:`run_missing` (every arm x seed without a record: run train.py, write the record, commit it),
+  :func:`run_train`, :func:`write_record`, :data:`RUN_FLAGS`, :data:`RECORD_COLUMNS`, :data:`QUICK_TASK`,
+  :func:`ensure_warm_start`; :func:`commit` (``git commit`` exactly some records, for every driver's ``--commit``).
+* The shared collapse rule and plots: :func:`collapse`, :func:`new_figure`, :func:`plot_per_step`.
+
+A driver imports this module, the library (:mod:`otb_ref`) and the trainer's parts (:mod:`otb_train`; the
+warm start and the synthetic-task sampler are :mod:`otb_train.warm_start`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -132,39 +150,141 @@ def new_figure(columns: int = 1, width: float = 5.5, height: float = 4.0):
     return figure, list(axes[0])
 
 
-class SyntheticSample(NamedTuple):
-    """``group_size`` responses per problem, prompt-major (rows ``p * group_size + i``)."""
+def plot_per_step(by_arm: dict[str, dict[int, list[dict]]], arms: list[str], key: str, label: str, path: Path) -> None:
+    """Reward (left) and ``key`` (right, labelled ``label``) per step, every seed, one colour per arm."""
+    figure, (reward_axis, other_axis) = new_figure(2)
+    for arm in [a for a in arms if a in by_arm]:
+        color = None
+        for rows in by_arm[arm].values():
+            steps = [r["step"] for r in rows]
+            line = reward_axis.plot(steps, [r["reward_mean"] for r in rows], lw=0.8, color=color,
+                                    label=arm if color is None else None)[0]  # fmt: skip
+            color = line.get_color()
+            other_axis.plot(steps, [r[key] or 0.0 for r in rows], lw=0.8, color=color)
+    reward_axis.set(xlabel="step", ylabel="reward of the step's responses", title="every seed")
+    other_axis.set(xlabel="step", ylabel=label, title=f"{label}, every seed")
+    reward_axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
-    prompt_ids: torch.Tensor  # [B, P] left-padded with the pad id 0
-    prompt_mask: torch.Tensor  # [B, P] 0/1
-    rollout: object  # otb_train.rollout.Rollout: response_ids, response_mask, finished
-    texts: list[str]  # B decoded responses
-    scores: list[float]  # B task rewards (0 without EOS)
+
+# ----------------------------------------------------------------------------- records-based drivers
+
+QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]  # --quick (tests)
+# Run bookkeeping every records-based driver passes to train.py: no warmup, logging and saving, CPU.
+RUN_FLAGS = [
+    "--warmup-steps", "0", "--micro-batch-size", "64", "--save-every", "0", "--keep-checkpoints", "1",
+    "--sample-every", "50", "--device", "cpu",
+]  # fmt: skip
+RECORD_COLUMNS = ["step", "tokens", "generated_tokens", "reward_mean", "grad_norm", "update_norm", "approx_kl",
+                  "entropy"]  # fmt: skip
+EDGE_STEPS = 5  # the collapse rule's start and end windows
 
 
-@torch.no_grad()
-def sample_synthetic(lm, problems, group_size: int, task: str, seed: int, step: int, max_new_tokens: int):
-    """train.py's sampler on a built-in task: character tokenizer, temperature 1, the uniforms of ``(seed, step)``,
-    the task's reward. Returns a :class:`SyntheticSample`."""
-    from otb_train.data import left_pad
-    from otb_train.model import Policy
-    from otb_train.rollout import generate, sampling_uniforms
-    from otb_train.tasks import CharTokenizer, synthetic_reward
+def collapse(rows: list[dict]) -> dict:
+    """Start and end reward (first and last EDGE_STEPS steps), whether it collapsed (end below half the start), and
+    the first step after which every reward is 0 (None if none). The rule of experiments/stability.py, part (a),
+    which stability_long and readings apply too."""
+    start = statistics.mean(r["reward_mean"] for r in rows[:EDGE_STEPS])
+    end = statistics.mean(r["reward_mean"] for r in rows[-EDGE_STEPS:])
+    zero_from = None
+    for row in reversed(rows):
+        if row["reward_mean"] > 0:
+            break
+        zero_from = row["step"]
+    return {"start": start, "end": end, "collapsed": end < 0.5 * start, "zero_from": zero_from}
 
-    tokenizer = CharTokenizer()
-    rows = [tokenizer.encode(problem.prompt) for problem in problems for _ in range(group_size)]
-    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id)
-    out = generate(
-        Policy(lm, temperature=1.0, chunk_size=None),
-        prompt_ids,
-        prompt_mask,
-        sampling_uniforms(seed, step, len(rows), max_new_tokens),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=max_new_tokens,
-    )
-    lengths = out.response_mask.sum(dim=1)
-    texts = [tokenizer.decode(row[: int(n)].tolist()) for row, n in zip(out.response_ids, lengths)]
-    answers = [problem.answer for problem in problems for _ in range(group_size)]
-    scores = [synthetic_reward(task, *row) for row in zip(texts, answers, out.finished.tolist())]
-    return SyntheticSample(prompt_ids, prompt_mask, out, texts, scores)
+
+def run_train(name: str, seed: int, steps: int, warm: Path, runs: Path, flags: list[str]) -> Path:
+    """One train.py run from ``warm`` with ``flags`` into ``runs/<name>_seed<seed>`` (an unfinished one restarts)."""
+    out = runs / f"{name}_seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, str(ROOT / "train.py"), "--model", str(warm), *flags, "--steps", str(steps),
+               "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = runs / f"{name}_seed{seed}.log"  # a file, not a pipe: the run survives its driver
+    runs.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as stream:
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} seed {seed} failed:\n{log.read_text()[-3000:]}")
+    return out
+
+
+def write_record(name: str, seed: int, run: Path, flags: list[str], seconds: float, records_dir: Path) -> Path:
+    """The run's compact record ``<records_dir>/<name>_seed<seed>.json`` (written whole, then renamed)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    record = {
+        "arm": name, "seed": seed, "flags": flags, "machine": machine_name(), "wall_seconds": round(seconds),
+        "columns": RECORD_COLUMNS, "steps": [[row.get(key) for key in RECORD_COLUMNS] for row in rows],
+    }  # fmt: skip
+    return write_json_record(records_dir / f"{name}_seed{seed}.json", record)
+
+
+def commit(paths: Path | list[Path], message: str) -> None:
+    """``git add`` and ``git commit`` exactly ``paths`` (one path or a list; retried while another git process
+    holds the index)."""
+    names = [str(p) for p in paths] if isinstance(paths, list) else [str(paths)]
+    for _ in range(30):
+        added = subprocess.run(["git", "add", *names], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "commit", "-m", message, "--", *names], cwd=ROOT, capture_output=True)
+        if added.returncode == 0 and done.returncode == 0:
+            return
+        time.sleep(2)
+    print(f"could not commit {names if isinstance(paths, list) else paths}", file=sys.stderr)
+
+
+def load_records(records_dir: Path) -> dict[str, dict[int, list[dict]]]:
+    """arm -> seed -> per-step rows (dicts of the record's columns), from the committed records."""
+    by_arm: dict[str, dict[int, list[dict]]] = {}
+    for path in sorted(records_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        rows = [dict(zip(record["columns"], values)) for values in record["steps"]]
+        by_arm.setdefault(record["arm"], {})[record["seed"]] = rows
+    return by_arm
+
+
+def ensure_warm_start(warm: Path, task: list[str], quick: bool) -> Path:
+    """The warm start for ``task`` (its --copy-lengths) at ``warm``, trained if missing (tiny with ``quick``)."""
+    from otb_train.warm_start import main as warm_start
+
+    if not (warm / "config.json").exists():
+        shutil.rmtree(warm, ignore_errors=True)
+        lengths = task[task.index("--copy-lengths") + 1 :][:2]
+        extra = ["--steps", "10", "--hidden-size", "32"] if quick else []
+        warm_start(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", *lengths, *extra])
+    return warm
+
+
+def driver_parser(doc: str, arms: dict, seeds: list[int], runs_dir: Path) -> argparse.ArgumentParser:
+    """The command line every records-based driver shares (its description: the first paragraph of ``doc``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny warm start, every arm, 1 seed, 2 steps")
+    parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
+    parser.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
+    parser.add_argument("--runs-dir", type=Path, default=runs_dir)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    return parser
+
+
+def run_missing(args, arms: dict, common: list[str], task: list[str], steps: int, warm: Path, records_dir: Path):
+    """Every arm x seed of ``args`` without a record in ``records_dir``: run it, write its record (and commit it).
+    The warm start ``warm`` is trained first if missing (only when something is to run)."""
+    todo = [(a, s) for s in args.seeds for a in args.arms if not (records_dir / f"{a}_seed{s}.json").exists()]
+    if not todo:
+        return
+    ensure_warm_start(warm, task, args.quick)
+
+    def job(arm_seed):
+        arm, seed = arm_seed
+        flags, start = [*task, *common, *arms[arm]], time.perf_counter()
+        run = run_train(arm, seed, steps, warm, args.runs_dir, flags)
+        path = write_record(arm, seed, run, flags, time.perf_counter() - start, records_dir)
+        if args.commit:
+            commit(path, f"results/{records_dir.name}: {arm} seed {seed} ({steps} steps, {machine_name()})")
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(job, todo))

@@ -34,11 +34,11 @@ MERGE = "ed1b10c5bc34db8a41d5ec066e8f1c438df93a96"
 COMMITS = {"pre-merge (ed1b10c^2)": MERGE + "^2", "merge (ed1b10c)": MERGE}
 RECORD = "otb_loo_n4_lr0.001_seed0"  # made at 14:58, before the merge (15:21); OTB's energies are what changed
 
-# Run inside the worktree (its own experiments/ and otb_* packages): the record's run, its compact record.
+# Run inside the worktree (its own experiments/ and otb_* packages, both on PYTHONPATH): the record's run, its
+# compact record.
 _RUN = """
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, "experiments")
 import variance_lr as vlr, variance_lr_pilot as pilot
 committed, runs, out = map(Path, sys.argv[1:4])
 keys = ("name", "arm", "group_size", "lr", "seed", "flags")
@@ -64,7 +64,8 @@ def rerun(record: str, commit: str, out_dir: Path) -> Path:
         git("worktree", "add", "--detach", str(work / "tree"), sha)
         tree, staging = work / "tree", work / "records"
         code = {"commit": sha, "clean": not git("status", "--porcelain", cwd=tree)}  # at the run's start
-        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        path_entries = os.pathsep.join([str(tree / "experiments"), str(tree)])  # the tree's drivers and packages
+        env = {**os.environ, "PYTHONPATH": path_entries, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         command = [sys.executable, "-c", _RUN, str(ROOT / "results" / "variance_lr" / f"{record}.json"),
                    str(work / "runs"), str(staging)]  # fmt: skip
         subprocess.run(command, cwd=tree, env=env, check=True)
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> Path:
         for label, commit in COMMITS.items():
             path = rerun(RECORD, commit, records_dir)
             if args.commit:
-                import variance_lr_pilot as pilot
-
-                pilot.commit_paths([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
+                commit([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
     loaded = load(args.out_dir)
     if loaded is None:
         parser.error(f"--report-only: a rerun of {RECORD} is missing in {records_dir}")

@@ -34,12 +34,13 @@ import snapshots
 import torch
 import transformers
 
-from common import RESULTS, new_figure, sample_synthetic, write_records, write_report
+from common import RESULTS, new_figure, write_records, write_report
 from otb_ref.proxy import token_energy
 from otb_train.energies import exact_energies
 from otb_train.model import Policy
 from otb_train.rollout import position_ids_from_mask
 from otb_train.tasks import synthetic_problem
+from otb_train.warm_start import sample_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 

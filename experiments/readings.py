@@ -3,7 +3,7 @@
     python experiments/readings.py          # reads results/{reproduction,stability,stability_long}/ (seconds)
 
 No training: every number comes from the committed per-run records, through the experiments' own helpers
-(``reproduction.analyse``, ``stability.collapse``, ``stability_long.spikes``), and from the built-in model of
+(``reproduction.analyse``, ``common.collapse``, ``stability_long.spikes``), and from the built-in model of
 ``otb_train`` for the parameter counts. Writes ``results/readings.json`` (every number) and ``results/readings.md``
 (the same as tables). The choices made here, stated once:
 
@@ -39,7 +39,7 @@ import stability_long
 import variance_lr
 import variance_lr_pilot
 
-from common import RESULTS, command_line, compact, write_report
+from common import RESULTS, collapse, command_line, compact, load_records, write_report
 
 WIDTHS = {64: "snapshots (gradient_variance, proxy_fidelity) and train.py's default", 128: "warm_start.py's default"}
 
@@ -159,7 +159,7 @@ def stability_long_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     shared = {arm: [sum(k > threshold for k in _kls(rows)) for rows in runs[arm]] for arm in arms}
     group = lambda counts, arms_: [c for arm in arms_ for c in counts[arm]]  # noqa: E731
     mean_baseline, otb_arms = stability_long.MEAN_BASELINE, stability_long.OTB
-    states = {arm: [stability.collapse(rows) for rows in runs[arm]] for arm in arms}
+    states = {arm: [collapse(rows) for rows in runs[arm]] for arm in arms}
     largest = sorted(((max(_kls(rows)), arm, seed) for arm in arms for seed, rows in enumerate(runs[arm])),
                      reverse=True)[:2]  # fmt: skip
     ends = {arm: [s["end"] for s in states[arm]] for arm in arms}
@@ -209,7 +209,7 @@ def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     }
     largest_grad = {arm: [max(rows, key=lambda r: r["grad_norm"])["step"] for rows in per] for arm, per in runs.items()}
     first = [rows[0] for per in runs.values() for rows in per]
-    zero_from = {arm: [stability.collapse(rows)["zero_from"] for rows in per] for arm, per in runs.items()}
+    zero_from = {arm: [collapse(rows)["zero_from"] for rows in per] for arm, per in runs.items()}
     pairs = (("grpo_n8", "grpo_n32"), ("otb_n8", "otb_n32"), ("grpo_n8", "otb_n8"), ("rloo_n8", "otb_n8"))
     return {
         "runs": len(first),
@@ -219,7 +219,7 @@ def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
         "runs_largest_grad_norm_at_step_1": sum(s == 1 for per in largest_grad.values() for s in per),
         "step_1_update_norm_range": [min(r["update_norm"] for r in first), max(r["update_norm"] for r in first)],
         "step_1_grad_norm_range": [min(r["grad_norm"] for r in first), max(r["grad_norm"] for r in first)],
-        "collapsed_runs": sum(stability.collapse(rows)["collapsed"] for per in runs.values() for rows in per),
+        "collapsed_runs": sum(collapse(rows)["collapsed"] for per in runs.values() for rows in per),
         "zero_reward_from_step": zero_from,
         "zero_reward_from_step_p": {f"{a} vs {b}": permutation_p(zero_from[a], zero_from[b]) for a, b in pairs},
     }
@@ -269,9 +269,9 @@ def readings(results: Path = RESULTS) -> dict:
         "run_seconds": {
             name: run_seconds(results / name) for name in ("reproduction", "stability", "stability_long", "variance_lr")
         },
-        "stability_long": stability_long_readings(reproduction.load_records(results / "stability_long")),
-        "stability": stability_readings(reproduction.load_records(results / "stability")),
-        "reproduction": reproduction_readings(reproduction.load_records(results / "reproduction")),
+        "stability_long": stability_long_readings(load_records(results / "stability_long")),
+        "stability": stability_readings(load_records(results / "stability")),
+        "reproduction": reproduction_readings(load_records(results / "reproduction")),
         "parameters": parameter_counts(),
         "variance_lr": variance_lr_readings(results / "variance_lr"),
         "variance_lr_dependence": variance_lr_dependence(results / "variance_lr"),

@@ -38,27 +38,17 @@ Each finished run leaves a compact record (per step: tokens, reward, gradient no
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import random
-import shutil
 import statistics
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import warm_start
-
-from common import machine_name, write_json_record, write_report
+from common import QUICK_TASK, RUN_FLAGS, driver_parser, load_records, new_figure, run_missing, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
 TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]
-QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]  # --quick (tests)
 ARMS = {  # name -> train.py flags
     "grpo_n32": ["--estimator", "grpo", "--group-size", "32"],
     "otb_n4": ["--estimator", "otb", "--group-size", "4"],
@@ -68,64 +58,11 @@ ARMS = {  # name -> train.py flags
 }
 SEEDS = [0, 1, 2, 3, 4]
 STEPS = 200
-# Run bookkeeping shared with experiments/stability.py: no warmup, logging and saving, CPU.
-RUN_FLAGS = [
-    "--warmup-steps", "0", "--micro-batch-size", "64", "--save-every", "0", "--keep-checkpoints", "1",
-    "--sample-every", "50", "--device", "cpu",
-]  # fmt: skip
 COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", "--min-lr-ratio", "1", *RUN_FLAGS]
 WINDOW_TOKENS = 20_000
 PLATEAU_STEPS = 40
 DELTA = 0.02
 CLAIM = 0.65
-COLUMNS = ["step", "tokens", "generated_tokens", "reward_mean", "grad_norm", "update_norm", "approx_kl", "entropy"]
-
-
-def run_arm(name: str, seed: int, steps: int, warm: Path, runs: Path, flags: list[str]) -> Path:
-    """One train.py run from ``warm`` with ``flags`` into ``runs/<name>_seed<seed>`` (an unfinished one restarts)."""
-    out = runs / f"{name}_seed{seed}"
-    shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, str(ROOT / "train.py"), "--model", str(warm), *flags, "--steps", str(steps),
-               "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = runs / f"{name}_seed{seed}.log"  # a file, not a pipe: the run survives its driver
-    runs.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as stream:
-        done = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed:\n{log.read_text()[-3000:]}")
-    return out
-
-
-def write_record(name: str, seed: int, run: Path, flags: list[str], seconds: float, records_dir: Path) -> Path:
-    """The run's compact record ``<records_dir>/<name>_seed<seed>.json`` (written whole, then renamed)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    record = {
-        "arm": name, "seed": seed, "flags": flags, "machine": machine_name(), "wall_seconds": round(seconds),
-        "columns": COLUMNS, "steps": [[row.get(key) for key in COLUMNS] for row in rows],
-    }  # fmt: skip
-    return write_json_record(records_dir / f"{name}_seed{seed}.json", record)
-
-
-def commit(path: Path, message: str) -> None:
-    """``git add`` and ``git commit`` one record (retried while another git process holds the index)."""
-    for _ in range(30):
-        added = subprocess.run(["git", "add", str(path)], cwd=ROOT, capture_output=True, text=True)
-        done = subprocess.run(["git", "commit", "-m", message, "--", str(path)], cwd=ROOT, capture_output=True)
-        if added.returncode == 0 and done.returncode == 0:
-            return
-        time.sleep(2)
-    print(f"could not commit {path}", file=sys.stderr)
-
-
-def load_records(records_dir: Path) -> dict[str, dict[int, list[dict]]]:
-    """arm -> seed -> per-step rows (dicts of :data:`COLUMNS`), from the committed records."""
-    by_arm: dict[str, dict[int, list[dict]]] = {}
-    for path in sorted(records_dir.glob("*.json")):
-        record = json.loads(path.read_text())
-        rows = [dict(zip(record["columns"], values)) for values in record["steps"]]
-        by_arm.setdefault(record["arm"], {})[record["seed"]] = rows
-    return by_arm
 
 
 def smoothed(rows: list[dict], window: int) -> list[tuple[int, float]]:
@@ -263,8 +200,6 @@ def table(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None) -> li
 
 
 def plot(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None, out_dir: Path) -> list[str]:
-    from common import new_figure
-
     figure, (reward_axis, update_axis) = new_figure(2, width=5.5)
     for arm in [a for a in ARMS if a in by_arm]:
         runs = list(by_arm[arm].values())
@@ -285,50 +220,6 @@ def plot(by_arm: dict[str, dict[int, list[dict]]], analysis: dict | None, out_di
     figure.tight_layout()
     figure.savefig(out_dir / "reproduction.png", dpi=110)
     return ["![reward vs generated tokens, update size per step](reproduction.png)"]
-
-
-def ensure_warm_start(warm: Path, task: list[str]) -> Path:
-    """The warm start for ``task`` (its --copy-lengths) at ``warm``, trained if missing; a tiny one for QUICK_TASK."""
-    if not (warm / "config.json").exists():
-        shutil.rmtree(warm, ignore_errors=True)
-        lengths = task[task.index("--copy-lengths") + 1 :][:2]
-        extra = ["--steps", "10", "--hidden-size", "32"] if task == QUICK_TASK else []
-        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", *lengths, *extra])
-    return warm
-
-
-def driver_parser(doc: str, arms: dict, seeds: list[int], runs_dir: Path) -> argparse.ArgumentParser:
-    """The command line every records-based experiment shares (this one and experiments/stability.py)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny warm start, every arm, 1 seed, 2 steps")
-    parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
-    parser.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
-    parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
-    parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
-    parser.add_argument("--runs-dir", type=Path, default=runs_dir)
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
-    return parser
-
-
-def run_missing(args, arms: dict, common: list[str], task: list[str], steps: int, warm: Path, records_dir: Path):
-    """Every arm x seed of ``args`` without a record in ``records_dir``: run it, write its record (and commit it).
-    The warm start ``warm`` is trained first if missing (only when something is to run)."""
-    todo = [(a, s) for s in args.seeds for a in args.arms if not (records_dir / f"{a}_seed{s}.json").exists()]
-    if not todo:
-        return
-    ensure_warm_start(warm, task)
-
-    def job(arm_seed):
-        arm, seed = arm_seed
-        flags, start = [*task, *common, *arms[arm]], time.perf_counter()
-        run = run_arm(arm, seed, steps, warm, args.runs_dir, flags)
-        path = write_record(arm, seed, run, flags, time.perf_counter() - start, records_dir)
-        if args.commit:
-            commit(path, f"results/{records_dir.name}: {arm} seed {seed} ({steps} steps, {machine_name()})")
-
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        list(pool.map(job, todo))
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import warm_start
+
+from otb_train.warm_start import main as train_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +59,11 @@ def _init_and_warm(setting: Setting, root: Path) -> None:
     common = ["--copy-lengths", str(low), str(high), "--hidden-size", str(setting.hidden_size)]
     if not (root / "init" / "config.json").exists():
         shutil.rmtree(root / "init", ignore_errors=True)
-        warm_start.main(["--out", str(root / "init"), *common, "--steps", "0"])
+        train_warm_start(["--out", str(root / "init"), *common, "--steps", "0"])
     if not (root / "warm" / "config.json").exists():
         shutil.rmtree(root / "warm", ignore_errors=True)
         extra = ["--steps", "30", "--eval-every", "5", "--eval-prompts", "16"] if setting.name == "quick" else []
-        warm_start.main(["--out", str(root / "warm"), *common, "--target-reward", str(setting.target_reward), *extra])
+        train_warm_start(["--out", str(root / "warm"), *common, "--target-reward", str(setting.target_reward), *extra])
 
 
 def _export(checkpoint: Path, template: Path, out: Path) -> None:

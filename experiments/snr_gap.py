@@ -38,9 +38,9 @@ from pathlib import Path
 import gradient_variance
 import torch
 import variance_lr_pilot as pilot
-import warm_start
 
-from common import machine_name, read_code_state, write_report
+from common import commit, machine_name, read_code_state, write_report
+from otb_train.warm_start import main as train_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,10 +92,10 @@ def ensure_warm(name: str, setting, warm_dir: Path, quick: bool, commit: bool = 
     warm = warm_dir / name
     if not (warm / "config.json").exists():
         extra = ["--steps", "10", "--hidden-size", "32", "--eval-prompts", "16"] if quick else ["--hidden-size", "64"]
-        warm_start.main(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", str(low), str(high),
+        train_warm_start(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", str(low), str(high),
                          "--target-reward", str(target), "--eval-every", "2", *extra, *flags])  # fmt: skip
         if commit:
-            pilot.commit_paths([warm], f"{warm.relative_to(ROOT)}: the warm start of snr_gap's {name}")
+            commit([warm], f"{warm.relative_to(ROOT)}: the warm start of snr_gap's {name}")
     return warm
 
 
@@ -360,7 +360,7 @@ def run_missing(jobs: dict, records_dir: Path, args, quick: bool) -> None:
         records_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
         if args.commit:
-            pilot.commit_paths([path], f"{path.relative_to(ROOT)}: {name} ({machine_name()})")
+            commit([path], f"{path.relative_to(ROOT)}: {name} ({machine_name()})")
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -31,9 +31,16 @@ import statistics
 import time
 from pathlib import Path
 
-import reproduction
-
-from common import new_figure, write_report
+from common import (
+    QUICK_TASK,
+    RUN_FLAGS,
+    collapse,
+    driver_parser,
+    load_records,
+    plot_per_step,
+    run_missing,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,22 +53,9 @@ ARMS = {
 }
 SEEDS = [0, 1, 2]
 STEPS = 30
+TASK = ["--task", "copy_exact", "--copy-lengths", "64", "80", "--max-new-tokens", "96"]  # the reproduction's task
 COMMON = ["--prompts-per-step", "8", "--lr", "3e-3", "--min-lr-ratio", "1", "--epochs", "4", "--mini-batches", "2",
-          *reproduction.RUN_FLAGS]  # fmt: skip
-EDGE_STEPS = 5
-
-
-def collapse(rows: list[dict]) -> dict:
-    """Start and end reward (first and last EDGE_STEPS steps), whether it collapsed, and the first step after which
-    every reward is 0 (None if none)."""
-    start = statistics.mean(r["reward_mean"] for r in rows[:EDGE_STEPS])
-    end = statistics.mean(r["reward_mean"] for r in rows[-EDGE_STEPS:])
-    zero_from = None
-    for row in reversed(rows):
-        if row["reward_mean"] > 0:
-            break
-        zero_from = row["step"]
-    return {"start": start, "end": end, "collapsed": end < 0.5 * start, "zero_from": zero_from}
+          *RUN_FLAGS]  # fmt: skip
 
 
 def _before_collapse(rows: list[dict]) -> list[dict]:
@@ -115,42 +109,24 @@ def reading(by_arm: dict[str, dict[int, list[dict]]]) -> str:
     return "Reading: " + ("; ".join(parts) if parts else "not computed yet (both group sizes needed)") + "."
 
 
-def plot_per_step(by_arm: dict[str, dict[int, list[dict]]], arms: list[str], key: str, label: str, path: Path) -> None:
-    """Reward (left) and ``key`` (right, labelled ``label``) per step, every seed, one colour per arm."""
-    figure, (reward_axis, other_axis) = new_figure(2)
-    for arm in [a for a in arms if a in by_arm]:
-        color = None
-        for rows in by_arm[arm].values():
-            steps = [r["step"] for r in rows]
-            line = reward_axis.plot(steps, [r["reward_mean"] for r in rows], lw=0.8, color=color,
-                                    label=arm if color is None else None)[0]  # fmt: skip
-            color = line.get_color()
-            other_axis.plot(steps, [r[key] or 0.0 for r in rows], lw=0.8, color=color)
-    reward_axis.set(xlabel="step", ylabel="reward of the step's responses", title="every seed")
-    other_axis.set(xlabel="step", ylabel=label, title=f"{label}, every seed")
-    reward_axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
     plot_per_step(by_arm, list(ARMS), "update_norm", "‖Δθ‖ of the step", out_dir / "stability.png")
     return ["![reward and update size per step](stability.png)"]
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = reproduction.driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "stability")
+    parser = driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "stability")
     parser.add_argument("--warm", type=Path, default=ROOT / "runs" / "reproduction" / "warm_start")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    task, steps = (reproduction.QUICK_TASK, 2) if args.quick else (reproduction.TASK, STEPS)
+    task, steps = (QUICK_TASK, 2) if args.quick else (TASK, STEPS)
     if args.quick:
         args.seeds = args.seeds[:1]
     records_dir = args.out_dir / "stability"
     if not args.report_only:
         warm = args.runs_dir / "warm_start" if args.quick else args.warm
-        reproduction.run_missing(args, ARMS, COMMON, task, steps, warm, records_dir)
-    by_arm = reproduction.load_records(records_dir)
+        run_missing(args, ARMS, COMMON, task, steps, warm, records_dir)
+    by_arm = load_records(records_dir)
     sections = [
         f"Arms x seeds recorded: {sum(len(v) for v in by_arm.values())} of {len(ARMS) * len(SEEDS)} (one compact "
         f"record per run in `{records_dir.name}/` beside this report). Task flags: `{' '.join(task)}`; common flags: "

@@ -36,11 +36,18 @@ import statistics
 import time
 from pathlib import Path
 
-import reproduction
-import stability
-import warm_start
-
-from common import write_report
+from common import (
+    QUICK_TASK,
+    RUN_FLAGS,
+    collapse,
+    commit,
+    driver_parser,
+    load_records,
+    plot_per_step,
+    run_missing,
+    write_report,
+)
+from otb_train.warm_start import main as train_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +62,7 @@ ARMS = {
 }
 SEEDS = [0, 1, 2]
 STEPS = 40
-COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", "--min-lr-ratio", "1", "--epochs", "2", *reproduction.RUN_FLAGS]
+COMMON = ["--prompts-per-step", "4", "--lr", "1e-4", "--min-lr-ratio", "1", "--epochs", "2", *RUN_FLAGS]
 SPIKE = 10.0
 MEAN_BASELINE, OTB = ("grpo_n8", "rloo_n8"), ("otb_n8", "otb_loo_n8")
 
@@ -69,7 +76,7 @@ def spikes(rows: list[dict]) -> int:
 
 def unstable(runs: dict[int, list[dict]]) -> int:
     """Runs of an arm that collapsed, plus its KL spikes summed over seeds."""
-    return sum(stability.collapse(rows)["collapsed"] for rows in runs.values()) + sum(map(spikes, runs.values()))
+    return sum(collapse(rows)["collapsed"] for rows in runs.values()) + sum(map(spikes, runs.values()))
 
 
 def reading(by_arm: dict[str, dict[int, list[dict]]]) -> str:
@@ -78,7 +85,7 @@ def reading(by_arm: dict[str, dict[int, list[dict]]]) -> str:
         return "Reading: not computed yet (every arm is needed)."
     counts = {arm: unstable(by_arm[arm]) for arm in ARMS}
     mean_baseline, otb = sum(counts[a] for a in MEAN_BASELINE), sum(counts[a] for a in OTB)
-    collapsed = sum(stability.collapse(rows)["collapsed"] for runs in by_arm.values() for rows in runs.values())
+    collapsed = sum(collapse(rows)["collapsed"] for runs in by_arm.values() for rows in runs.values())
     if collapsed == 0 and max(counts.values()) - min(counts.values()) < 2:
         word = "at a small step nothing is unstable here; with part (a), the step size is the cause"
     elif mean_baseline >= otb + 2:
@@ -96,7 +103,7 @@ def table(by_arm: dict[str, dict[int, list[dict]]]) -> list[str]:
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for arm in [a for a in ARMS if a in by_arm]:
         runs = list(by_arm[arm].values())
-        states = [stability.collapse(rows) for rows in runs]
+        states = [collapse(rows) for rows in runs]
         kl = [[r["approx_kl"] for r in rows if r["approx_kl"] is not None] for rows in runs]
         cells = [
             str(len(runs)), f"{sum(s['collapsed'] for s in states)}/{len(runs)}",
@@ -112,7 +119,7 @@ def table(by_arm: dict[str, dict[int, list[dict]]]) -> list[str]:
 
 def plot(by_arm: dict[str, dict[int, list[dict]]], out_dir: Path) -> list[str]:
     label = "KL caused by the step's first update"
-    stability.plot_per_step(by_arm, list(ARMS), "approx_kl", label, out_dir / "stability_long.png")
+    plot_per_step(by_arm, list(ARMS), "approx_kl", label, out_dir / "stability_long.png")
     return ["![reward and update KL per step](stability_long.png)"]
 
 
@@ -120,7 +127,7 @@ def ensure_warm_start(warm: Path, quick: bool, summary: Path) -> None:
     """The warm start (trained by its stopping rule if missing), and its compact summary at ``summary``."""
     if not (warm / "warm_start.json").exists():
         quick_flags = ["--copy-lengths", "2", "3", "--steps", "10", "--hidden-size", "32"] if quick else []
-        warm_start.main(["--out", str(warm), *WARM_START, *quick_flags])
+        train_warm_start(["--out", str(warm), *WARM_START, *quick_flags])
     record = json.loads((warm / "warm_start.json").read_text())
     keys = ("command", "hidden_size", "num_layers", "steps_run", "final_sampled_reward", "evaluations", "seconds")
     summary.parent.mkdir(parents=True, exist_ok=True)
@@ -138,10 +145,10 @@ def warm_start_text(summary: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = reproduction.driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "stability_long")
+    parser = driver_parser(__doc__, ARMS, SEEDS, ROOT / "runs" / "stability_long")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    task, steps = (reproduction.QUICK_TASK, 2) if args.quick else (TASK, STEPS)
+    task, steps = (QUICK_TASK, 2) if args.quick else (TASK, STEPS)
     if args.quick:
         args.seeds = args.seeds[:1]
     records_dir, warm = args.out_dir / "stability_long", args.runs_dir / "warm_start"
@@ -149,9 +156,9 @@ def main(argv: list[str] | None = None) -> Path:
     if not args.report_only:
         ensure_warm_start(warm, args.quick, summary)
         if args.commit:
-            reproduction.commit(summary, "results: the warm start of experiments/stability_long.py")
-        reproduction.run_missing(args, ARMS, COMMON, task, steps, warm, records_dir)
-    by_arm = reproduction.load_records(records_dir)
+            commit(summary, "results: the warm start of experiments/stability_long.py")
+        run_missing(args, ARMS, COMMON, task, steps, warm, records_dir)
+    by_arm = load_records(records_dir)
     sections = [
         f"Arms x seeds recorded: {sum(len(v) for v in by_arm.values())} of {len(ARMS) * len(SEEDS)} (one compact "
         f"record per run in `{records_dir.name}/` beside this report). Task flags: `{' '.join(task)}`; common flags: "

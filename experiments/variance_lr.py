@@ -57,7 +57,7 @@ from pathlib import Path
 
 import variance_lr_pilot as pilot
 
-from common import machine_name, write_report
+from common import commit, machine_name, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -491,7 +491,7 @@ def plan(args, lrs, selection, test, group_sizes) -> None:
         meta = {"name": name, "arm": arm, "group_size": n, "lr": lr, "seed": seed, "flags": flags}
         path = pilot.write_run_record(meta, run, time.perf_counter() - begun, records_dir)
         if args.commit:
-            pilot.commit_paths([path], f"results/variance_lr: {name} ({steps} steps, {machine_name()})")
+            commit([path], f"results/variance_lr: {name} ({steps} steps, {machine_name()})")
 
     def run_all(items):
         if args.jobs == 1 or args.quick:

@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 import torch
-import warm_start
 
-from common import machine_name, write_json_record, write_report
+from common import commit, machine_name, write_json_record, write_report
+from otb_train.warm_start import main as train_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,20 +176,8 @@ def ensure_warm_start(warm: Path, quick: bool) -> Path:
         if quick:
             flags = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--hidden-size", "32", "--steps", "10",
                      "--eval-prompts", "16"]  # fmt: skip
-        warm_start.main(["--out", str(warm), *flags])
+        train_warm_start(["--out", str(warm), *flags])
     return warm
-
-
-def commit_paths(paths: list[Path], message: str) -> None:
-    """``git add`` and ``git commit`` exactly ``paths`` (retried while another git process holds the index)."""
-    names = [str(p) for p in paths]
-    for _ in range(30):
-        added = subprocess.run(["git", "add", *names], cwd=ROOT, capture_output=True, text=True)
-        done = subprocess.run(["git", "commit", "-m", message, "--", *names], cwd=ROOT, capture_output=True)
-        if added.returncode == 0 and done.returncode == 0:
-            return
-        time.sleep(2)
-    print(f"could not commit {names}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- SNR at the warm start
@@ -420,7 +408,7 @@ def main(argv: list[str] | None = None) -> Path:
             records_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record) + "\n")
             if args.commit:
-                commit_paths([path], f"results/variance_lr_pilot: SNR at the warm start, pilot seed {seed}")
+                commit([path], f"results/variance_lr_pilot: SNR at the warm start, pilot seed {seed}")
         # N = 4 at every pilot seed, then the probe of the grid's top, then N = 16 at two seeds (the order in which
         # they are run: on a shared 2-core machine the driver's δ uses the cells complete by its commit).
         todo = [(arm, GROUP_SIZES[0], SPREAD_LR, seed) for seed in spread_seeds for arm in PRIMARY]
@@ -437,7 +425,7 @@ def main(argv: list[str] | None = None) -> Path:
                 meta = {"name": name, "arm": arm, "group_size": n, "lr": lr, "seed": seed, "flags": flags}
                 path = write_run_record(meta, run, time.perf_counter() - begun, records_dir)
                 if args.commit:
-                    commit_paths([path], f"results/variance_lr_pilot: {name} ({steps} steps, {machine_name()})")
+                    commit([path], f"results/variance_lr_pilot: {name} ({steps} steps, {machine_name()})")
 
             with ThreadPoolExecutor(max_workers=args.jobs) as pool:
                 list(pool.map(job, todo))

@@ -13,7 +13,13 @@ import torch
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 if any floating input is float64, else float32 (never lower)."""
+    """The one precision rule of otb_ref: float64 if any input is float64, else float32 (never lower).
+
+    bf16, fp16 and fp32 inputs are computed in fp32; fp64 stays fp64; ``None`` entries are skipped. The fast
+    path's inputs (``advantages``, ``diagnostics``), the token energies and the LM heads' logits (``proxy``,
+    ``grad_norms``) and the per-row norms' accumulators (``grad_norms``) take their dtype here; ``readable`` states
+    the same rule for itself.
+    """
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
@@ -33,6 +39,15 @@ def require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...], like: 
 def require_device(name: str, value: torch.Tensor, device: torch.device, like: str) -> None:
     if value.device != device:
         raise ValueError(f"{name}: on device {value.device}, but {like} is on {device}")
+
+
+def require_token_ids(name: str, ids: torch.Tensor, vocab: int, rows_of: str) -> None:
+    """Every entry of the integer tensor ``ids`` lies in ``[0, vocab)``; ``rows_of`` names what the ids index (one
+    host read)."""
+    if ids.numel():
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{name}: token ids must lie in [0, {vocab}) ({rows_of})")
 
 
 def binary_mask(name: str, mask: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,26 @@ The energy axis says what the weights are:
 with ``w_t = clamp(1 − 2π_t(y_t) + Σ_v π_{t,v}², 0, 2)`` the logit-gradient proxy (F6), multiplied by ``ρ̄_t²``
 when rollout importance weights are given (§4). Advantages are ``(R − b) m_t`` or ``(G_t − B_t) m_t``, optionally
 divided by the group's std of what the baseline centres (GRPO; ``R``, or ``G_t`` pooled within positions). A group
-of one response gets no baseline: its advantage is its return. Precision: ``w_t`` in the compute dtype, everything
-after it in fp64, the outputs rounded once.
+of one response gets no baseline: its advantage is its return. The precision rule is stated once, where it is
+applied: at ``_GROUP_DTYPE`` below.
+
+Where each rule of THEORY §3 and §4 is applied here (one place each; ``tests/test_otb_ref/test_independence.py``
+checks that the names exist):
+
+    per-token energy w_t, the clamp, ρ̄_t²        _per_token_energy (token_energy: F6's one definition)
+    values off the mask ignored                   _apply_mask
+    W_t, G_t (from the end)                       _token_block
+    v, R                                          _sequence_advantages
+    the group's members and their sums            _GroupSums, _GroupBlock.sum
+    the baseline, ε shared, Ḡ where Σ a + ε = 0   _baseline_from_sums
+    ε only for energies                           compute_advantages (Estimator.epsilon_applies)
+    leave-one-out                                 _GroupSums.minus
+    a group of one: no baseline                   _token_block (group_has_baseline), _sequence_advantages (in_group)
+    std scaling, zero spread                      _std_scale
+    multi-turn ranks                              _generated_token_rank, _to_slots, _at_slots
+    zero tail                                     _zero_tail_start
+    precision                                     _GROUP_DTYPE
+    input rules (every error)                     otb_ref._validation
 """
 
 from __future__ import annotations
@@ -38,9 +56,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from otb_ref import _checks
+from otb_ref import _validation
 from otb_ref.estimators import ESTIMATORS, Estimator, resolve_estimator
-from otb_ref.proxy import token_energy
+from otb_ref.proxy import token_energy  # F6: the one definition of the per-token energy, shared on purpose
 
 __all__ = [
     "ESTIMATORS",
@@ -50,34 +68,16 @@ __all__ = [
     "compute_multi_turn_optimal_token_baseline_advantage",
 ]
 
-# Slack for Σπ² above 1 and log-probabilities above 0: rounding of an exact 1 or 0.
-_SUM_PI_SQUARED_SLACK = 1e-6
-_LOG_PROB_SLACK = 1e-6
-
-
-class _Inputs(NamedTuple):
-    """The caller's tensors after metadata checks (shapes, devices, dtypes); never written to."""
-
-    rewards: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T]
-    old_log_probs: torch.Tensor | None  # [B, T]
-    sum_pi_squared: torch.Tensor | None  # [B, T]
-    rollout_is_weights: torch.Tensor | None  # [B, T]
-    cumulative_energy: torch.Tensor | None  # [B, T]
-    grad_norms_sq: torch.Tensor | None  # [B]
-    group: torch.Tensor  # [B] int64 dense group numbers
-    num_groups: int
-    dtype: torch.dtype  # computation dtype
-
 
 class _Block(NamedTuple):
     """One block of rows, read and checked; every tensor is zero off the mask."""
 
-    rows: slice
+    rows: slice | torch.Tensor
     mask: torch.Tensor  # [b, T] 0/1 in the computation dtype (multiplying by it is cheap; bool ops are not)
     rewards: torch.Tensor  # [b, T]
     w: torch.Tensor | None  # [b, T] per-token energy w_t ρ̄_t² (energy length or proxy), else None
     W: torch.Tensor | None  # [b, T] realized energy ||S_t||² as given (token exact), else None
+    norms: torch.Tensor | None  # [b] ||S||² as given (sequence exact), else None
 
 
 # ---------------------------------------------------------------------------
@@ -91,23 +91,42 @@ def _segment_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> 
     return out.index_add_(0, group, values)
 
 
-# Precision rule (THEORY §3): per-token energies w_t are computed in the compute dtype; from there on (W_t, G_t, R,
-# v, every group statistic, G − B) in float64, and advantages and returns are rounded to the compute dtype once.
+# Precision rule (THEORY §3), the one statement of it in this module: per-token energies w_t are computed in the
+# compute dtype (Inputs.dtype: fp64 if any value input is fp64, else fp32; the mask does not count); from there on
+# (W_t, G_t, R, v, every group statistic, σ, G − B) in _GROUP_DTYPE, float64, converted with .to(_GROUP_DTYPE) where
+# a block's values enter the group arithmetic; advantages and returns are rounded to the compute dtype once, as they
+# are put in the outputs (_put, _put_masked).
 # Leave-one-out forms are "group total minus own term": in fp32 that subtraction loses the others' share when one
 # row's weight dominates its group (a baseline of 3e3 for returns of size 1 was seen); in fp64 it is rounding.
 _GROUP_DTYPE = torch.float64
 
 
-def _baseline_from_sums(
-    members: torch.Tensor, weighted: torch.Tensor, weight: torch.Tensor, total: torch.Tensor, epsilon: float
-) -> torch.Tensor:
-    """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes): their number
-    ``n``, ``Σ a x``, ``Σ a`` and ``Σ x``, with ``x̄ = Σ x / n``. ``B = x̄`` where ``Σ a + ε ≤ 0``; 0 where ``n = 0``.
-    A convex combination of the members' values (:func:`otb_ref.readable.group_baseline`, THEORY §3)."""
-    mean = torch.where(members > 0, total / members.clamp(min=1), 0.0)  # x̄
-    denominator = weight + epsilon
+class _GroupSums(NamedTuple):
+    """Sums over a group's members that a baseline is made of (:func:`_baseline_from_sums`), fp64: ``[g]`` per
+    group (sequence cells, ``a = v``, ``x = R``) or ``[g, T]`` per group and position (token cells, ``a = W_t``,
+    ``x = G_t``, over the rows alive there: ``m_t = 1``, generated-token rank with multi-turn). The same names hold
+    one row's own terms, and the sums read back at each row (``[b]`` or ``[b, T]``)."""
+
+    members: torch.Tensor  # n = Σ_j m^j
+    weighted: torch.Tensor  # Σ_j m^j a^j x^j
+    weight: torch.Tensor  # Σ_j m^j a^j
+    total: torch.Tensor  # Σ_j m^j x^j
+
+    def minus(self, own: _GroupSums) -> _GroupSums:
+        """Leave-one-out: the others' sums, the group's minus the row's own terms."""
+        return _GroupSums(
+            self.members - own.members, self.weighted - own.weighted, self.weight - own.weight, self.total - own.total
+        )
+
+
+def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
+    """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes), with
+    ``x̄ = Σ x / n``. ``B = x̄`` where ``Σ a + ε ≤ 0``; 0 where ``n = 0``. A convex combination of the members'
+    values (THEORY §3)."""
+    mean = torch.where(sums.members > 0, sums.total / sums.members.clamp(min=1), 0.0)  # x̄
+    denominator = sums.weight + epsilon
     positive = denominator > 0
-    return torch.where(positive, (weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)
+    return torch.where(positive, (sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)
 
 
 def _std_scale(
@@ -116,19 +135,18 @@ def _std_scale(
     groups: _GroupBlock,
     applies: torch.Tensor,
     epsilon: float,
-    members: torch.Tensor,
-    total: torch.Tensor,
+    sums: _GroupSums,
 ) -> torch.Tensor:
     """``[b]`` factor ``1/(σ_g + ε)`` of std scaling (fp64), σ_g the group's pooled within-position unbiased std of
     what its baseline centres (``R`` [b, 1], or ``G_t`` [b, T]) over its ``alive`` entries (0/1, fp64), from the
-    group sums ``members = Σ alive`` and ``total = Σ alive·x`` [g, P] the caller has (THEORY §3):
+    group sums ``[g, P]`` the caller has, ``members = Σ alive`` and ``total = Σ alive·x`` (THEORY §3):
 
         σ_g² = Σ_p Σ_{j ∈ g} a_jp (x_jp − x̄_gp)² / Σ_p (n_gp − 1)₊,   x̄_gp = total / members (0 where no member).
 
     1 where it does not ``apply`` [b], or the group's alive values are equal at every position (zero spread,
     decided exactly by max > min: no division of an ε residue by ε)."""
-    group = groups.group
-    mean = torch.where(members > 0, total / members.clamp(min=1), 0.0)  # x̄_gp
+    group, members = groups.group, sums.members
+    mean = torch.where(members > 0, sums.total / members.clamp(min=1), 0.0)  # x̄_gp
     deviations = groups.sum(alive * (centred - mean[group]).square()).sum(-1)  # [g]
     dof = (members - 1).clamp(min=0).sum(-1)  # Σ_p (n_gp − 1)₊
     sd = torch.where(dof > 0, deviations / dof.clamp(min=1), 0.0).sqrt()[group] + epsilon
@@ -210,130 +228,6 @@ def _group_blocks(
     return blocks
 
 
-class _Range(NamedTuple):
-    """Valid values of an input: ``low <(=) v <= high`` and finite."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_inclusive: bool = False
-    rule: str = ""
-
-    def holds(self, bounds: list[float]) -> bool:
-        """True when the ``[min, max]`` of some values lies in the range (NaN in either fails)."""
-        lo, hi = bounds
-        above_low = lo >= self.low if self.low_inclusive else lo > self.low
-        return above_low and hi <= self.high and math.isfinite(lo) and math.isfinite(hi)
-
-
-# A value inside each input's range: round 2 of the checks puts it off the mask, so that the min and max
-# of the result concern the valid entries alone.
-_FILL = {
-    "token_level_rewards": 0.0,
-    "old_log_probs": 0.0,
-    "sum_pi_squared": 1.0,
-    "cumulative_energy": 0.0,
-    "rollout_is_weights": 0.0,
-}
-
-
-def _value_inputs(spec: Estimator, inputs: _Inputs) -> list[tuple[str, torch.Tensor]]:
-    """The ``[B, T]`` value inputs this estimator reads, in the order their errors are reported."""
-    named = [("token_level_rewards", inputs.rewards)]
-    if spec.energy == "proxy":
-        named += [("old_log_probs", inputs.old_log_probs), ("sum_pi_squared", inputs.sum_pi_squared)]
-    if spec.energy == "exact" and spec.granularity == "token":
-        named.append(("cumulative_energy", inputs.cumulative_energy))
-    if spec.energy in ("length", "proxy") and inputs.rollout_is_weights is not None:
-        named.append(("rollout_is_weights", inputs.rollout_is_weights))
-    return named
-
-
-def _value_range(name: str, inputs: _Inputs) -> _Range:
-    if name == "old_log_probs":
-        return _Range(high=_LOG_PROB_SLACK, rule="a log-probability is <= 0")
-    if name == "sum_pi_squared":
-        return _Range(low=0.0, high=1.0 + _SUM_PI_SQUARED_SLACK, rule="Σπ² of a distribution lies in (0, 1]")
-    if name == "cumulative_energy":
-        return _Range(low=0.0, low_inclusive=True, rule="must be >= 0")
-    if name == "rollout_is_weights":
-        # ρ̄² times an energy <= 2, summed over every token of the batch, must stay finite in dtype.
-        batch_size, length = inputs.rewards.shape
-        rho_max = math.sqrt(torch.finfo(inputs.dtype).max / (4.0 * max(batch_size * length, 1)))
-        rule = f"must be >= 0, and <= {rho_max:.3g} so that ρ̄² sums stay finite in {inputs.dtype}"
-        return _Range(0.0, rho_max, True, rule)
-    return _Range()
-
-
-def _host_read(stats: list[torch.Tensor]) -> list[float]:
-    """Every statistic (0-d tensors, any dtypes) in ONE device-to-host transfer: the only sync of a check round."""
-    return torch.stack(stats).tolist() if stats else []
-
-
-def _mask_stats(raw_mask: torch.Tensor) -> list[torch.Tensor]:
-    """``[min, max, Σ m(1 − m)]`` of a non-bool mask, in its own dtype (ints as float64); ``[]`` for bool."""
-    if raw_mask.dtype == torch.bool or not raw_mask.numel():
-        return []
-    as_float = raw_mask if raw_mask.is_floating_point() else raw_mask.double()
-    return [*torch.aminmax(as_float), torch.sum(as_float * (1.0 - as_float))]
-
-
-def _mask_is_binary(stats: list[float]) -> bool:
-    """Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0)."""
-    return _Range(0.0, 1.0, low_inclusive=True).holds(stats[:2]) and stats[2] == 0.0
-
-
-def _raise_if_invalid(name: str, full: torch.Tensor, value_range: _Range, where: torch.Tensor | None) -> None:
-    """Locate a bad entry of ``full`` (among those ``where`` marks valid, if given) and raise naming it."""
-    _checks.require_finite(name, full, where=where)
-    _checks.require_in_range(
-        name,
-        full,
-        value_range.low,
-        value_range.high,
-        where=where,
-        low_inclusive=value_range.low_inclusive,
-        rule=value_range.rule,
-    )
-
-
-def _check_block(
-    inputs: _Inputs, raw_mask: torch.Tensor, reads: list[tuple[str, torch.Tensor, torch.Tensor]], rows: slice
-) -> tuple[list[bool], torch.Tensor | None]:
-    """All value checks of one block, decided now, with ONE host read in the common case.
-
-    ``reads``: ``(name, whole input, this block's rows of it)``. Round 1 reduces
-    the mask's binary test and the min and max of every input over all its
-    entries and reads them in one transfer. An input whose block is "clean"
-    (every entry, on the mask or off it, in range) is done. Round 2, only for
-    inputs with something out of range somewhere (allowed off the mask: it is
-    ignored), checks their valid entries (one more transfer) and raises if
-    one is bad.
-
-    Returns ``(clean per read, valid)``; ``valid = (mask != 0)`` when round 2 ran, else ``None``.
-    """
-    mask_stats = _mask_stats(raw_mask)
-    values = _host_read(mask_stats + [stat for _, _, raw in reads if raw.numel() for stat in torch.aminmax(raw)])
-    if mask_stats and not _mask_is_binary(values[:3]):
-        _checks.binary_mask("response_mask", inputs.mask)  # raises with the offending value
-    values, clean = values[len(mask_stats) :], []
-    for name, _, raw in reads:
-        clean.append(not raw.numel() or _value_range(name, inputs).holds(values[:2]))
-        values = values[2 if raw.numel() else 0 :]
-    if all(clean):
-        return clean, None
-    valid = raw_mask != 0
-    unclean = [(name, full, raw) for (name, full, raw), ok in zip(reads, clean) if not ok]
-    # Off the mask each input is replaced by a fill inside its range: min and max then concern the valid entries.
-    filled = [torch.where(valid, raw, _FILL[name]) for name, _, raw in unclean]
-    values = _host_read([stat for tensor in filled for stat in torch.aminmax(tensor)])
-    for i, (name, full, _) in enumerate(unclean):
-        if not _value_range(name, inputs).holds(values[2 * i : 2 * i + 2]):
-            where = torch.zeros(full.shape, dtype=torch.bool, device=full.device)
-            where[rows] = valid
-            _raise_if_invalid(name, full, _value_range(name, inputs), where)
-    return clean, valid
-
-
 def _apply_mask(
     values: torch.Tensor, clean: bool, mask: torch.Tensor, valid: torch.Tensor | None, fresh: bool = False
 ) -> torch.Tensor:
@@ -348,41 +242,44 @@ def _apply_mask(
     return torch.where(valid, values, 0.0)
 
 
-def _per_token_energy(spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-token energy ``w_t ρ̄_t²`` of the energies ``length`` (w = 1) and ``proxy`` (F6) from the block's values."""
+def _per_token_energy(
+    spec: Estimator, values: dict[str, torch.Tensor], mask: torch.Tensor, clean: bool, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-token energy ``w_t ρ̄_t²`` of the energies ``length`` (w = 1) and ``proxy`` (F6) from the block's values,
+    zero off the mask (``clean``, ``valid``: see :func:`_apply_mask`)."""
+    if spec.energy == "length" and "rollout_is_weights" not in values:
+        return mask  # w_t = 1 on the mask, already zero off it
     if spec.energy == "length":
         w = mask
     else:
         w = token_energy(values["old_log_probs"], values["sum_pi_squared"])  # 1 − 2π + Σπ² (F6)
     if "rollout_is_weights" in values:
         w = w * values["rollout_is_weights"].square()
-    return w
+    return _apply_mask(w, clean, mask, valid, fresh=True)
 
 
-def _read_block(spec: Estimator, inputs: _Inputs, rows: slice) -> _Block:
-    """Validate one block of rows, zero it off the mask, compute its per-token energies ``w`` (or read ``W``).
+def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch.Tensor) -> _Block:
+    """Read one block of rows, checked (:func:`otb_ref._validation.check_block`, on these rows just before the
+    arithmetic below reads them again from cache), zero it off the mask, compute its per-token energies ``w`` (or
+    take ``W`` or ``‖S‖²`` as given).
 
-    The checks are decided first, with one host read (:func:`_check_block`).
-    Inputs in range everywhere are masked by multiplication (exact, and
-    cheaper than ``where`` on CPU); the others with ``where``.
+    Inputs in range everywhere are masked by multiplication (exact, and cheaper than ``where`` on CPU); the others
+    with ``where``.
     """
     dtype = inputs.dtype
-    raw_mask = inputs.mask[rows]
-    reads = [(name, full, full[rows]) for name, full in _value_inputs(spec, inputs)]
-    clean, valid = _check_block(inputs, raw_mask, reads, rows)
-    mask = raw_mask.to(dtype)  # [b, T] exact: entries are 0 or 1
-    values = {name: raw.to(dtype) for name, _, raw in reads}
-    is_clean = {name: ok for (name, _, _), ok in zip(reads, clean)}
-    rewards = _apply_mask(values.pop("token_level_rewards"), is_clean["token_level_rewards"], mask, valid)
-    all_clean = all(is_clean[name] for name in values)
-    w = W = None
-    if spec.energy == "length" and "rollout_is_weights" not in values:
-        w = mask  # w_t = 1 on the mask, already zero off it
-    elif spec.energy in ("length", "proxy"):
-        w = _apply_mask(_per_token_energy(spec, values, mask), all_clean, mask, valid, fresh=True)
+    read = _validation.check_block(spec, inputs, rows)
+    mask = read.mask.to(dtype)  # [b, T] exact: entries are 0 or 1
+    values = {name: raw.to(dtype) for name, raw in read.values.items()}
+    rewards = _apply_mask(values.pop("token_level_rewards"), read.clean["token_level_rewards"], mask, read.valid)
+    all_clean = all(read.clean[name] for name in values)
+    w = W = norms = None
+    if spec.per_token_energy:
+        w = _per_token_energy(spec, values, mask, all_clean, read.valid)
     elif "cumulative_energy" in values:
-        W = _apply_mask(values["cumulative_energy"], all_clean, mask, valid)  # ||S_t||², already realized
-    return _Block(rows, mask, rewards, w, W)
+        W = _apply_mask(values["cumulative_energy"], all_clean, mask, read.valid)  # ||S_t||², already realized
+    if "grad_norms_sq" in spec.inputs:
+        norms = inputs.grad_norms_sq[rows].to(dtype)  # ||S||², checked whole by _validation.validate
+    return _Block(rows, mask, rewards, w, W, norms)
 
 
 def _rows_output(
@@ -448,7 +345,7 @@ def _zero_tail_start(
 
 
 def _sequence_advantages(
-    spec: Estimator, inputs: _Inputs, epsilon: float, baseline_epsilon: float
+    spec: Estimator, inputs: _validation.Inputs, epsilon: float, baseline_epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R − b) m_t`` with ``b`` the weighted group mean of ``R`` (sequence rows of the table), block by block of
     whole groups (:func:`_group_blocks`)."""
@@ -459,41 +356,37 @@ def _sequence_advantages(
     returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
     for groups in blocks:
         block = _read_block(spec, inputs, groups.rows)
-        rewards = block.rewards.flip(-1)  # R = G_0 [b], in fp64 summed from the end (as G_t: ties stay exact)
+        rewards = block.rewards.flip(-1)  # R = G_0 [b], summed from the end (as G_t: ties stay exact)
         R = rewards.to(_GROUP_DTYPE).cumsum_(-1)[:, -1] if length else rewards.sum(-1, dtype=_GROUP_DTYPE)
-        if spec.energy == "exact":
-            v = inputs.grad_norms_sq[groups.rows].to(dtype).to(_GROUP_DTYPE)  # v = ||S||² (compute dtype, then fp64)
+        if block.norms is not None:
+            v = block.norms.to(_GROUP_DTYPE)  # v = ||S||²
         elif block.w is not None:
-            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t in fp64
+            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t
         else:
             v = torch.ones_like(R)  # uniform: 1
         group, ones = groups.group, torch.ones_like(R)
-        sums = [_segment_sum(x, group, groups.size) for x in (ones, v * R, v, R)]  # members, Σ v R, Σ v, Σ R [g]
-        at = [s[group] for s in sums]
-        if spec.leave_one_out:  # the others: group sums minus the row's own terms
-            at = [at[0] - ones, at[1] - v * R, at[2] - v, at[3] - R]
-        in_group = sums[0][group] >= 2  # [b]
-        advantage = R - torch.where(in_group, _baseline_from_sums(*at, baseline_epsilon), 0.0)  # [b] fp64
+        own = _GroupSums(members=ones, weighted=v * R, weight=v, total=R)  # each row's own terms [b]
+        sums = _GroupSums(*(_segment_sum(x, group, groups.size) for x in own))  # [g]
+        at = _GroupSums(*(s[group] for s in sums))  # each row's group's sums [b]
+        if spec.leave_one_out:
+            at = at.minus(own)
+        in_group = sums.members[group] >= 2  # [b]
+        advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
         if spec.std_normalize:  # σ of R over the group
-            scale = _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, sums[0][:, None], sums[3][:, None])
-            advantage = advantage * scale
+            per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
+            advantage = advantage * _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, per_coordinate)
         advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
         returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
 
 
-class _GroupSums(NamedTuple):
-    """A block's ``[g, T]`` fp64 sums over each group's alive rows at every position (generated-token rank with
-    multi-turn): what a token baseline is made of (:func:`_baseline_from_sums`)."""
-
-    members: torch.Tensor  # Σ_j m_t^j
-    weighted: torch.Tensor  # Σ_j m_t^j W_t^j G_t^j
-    weight: torch.Tensor  # Σ_j m_t^j W_t^j
-    total: torch.Tensor  # Σ_j m_t^j G_t^j
-
-
 def _token_advantages(
-    spec: Estimator, inputs: _Inputs, multi_turn: bool, handle_zero_tail: bool, epsilon: float, baseline_epsilon: float
+    spec: Estimator,
+    inputs: _validation.Inputs,
+    multi_turn: bool,
+    handle_zero_tail: bool,
+    epsilon: float,
+    baseline_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G_t − B_t) m_t`` with ``B_t`` the energy-weighted group mean of ``G_t`` per position (F5, F7).
 
@@ -515,30 +408,35 @@ def _token_advantages(
 
 def _token_block(
     spec: Estimator,
-    inputs: _Inputs,
+    inputs: _validation.Inputs,
     groups: _GroupBlock,
     multi_turn: bool,
     handle_zero_tail: bool,
     epsilon: float,
     baseline_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[b, T]`` (fp64; rounded once as they are put in place) of one block of whole groups."""
+    """Advantages and returns ``[b, T]`` (``_GROUP_DTYPE``) of one block of whole groups."""
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
     lengths = block.mask.sum(dim=-1).long()  # generated tokens per row
     mask = block.mask.to(_GROUP_DTYPE)
-    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k in fp64, from the end
-    if spec.energy == "uniform":
-        W = mask  # W_t = 1 while alive
-    elif spec.energy == "exact":
+    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
+    if block.W is not None:
         W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
+    elif block.w is not None:
+        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
     else:
-        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j (fp64), 0 off the mask
+        W = mask  # uniform: W_t = 1 while alive
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
     m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G)) if multi_turn else (mask, W, G)
-    product = W_s * G_s  # one buffer for both products
+    product = W_s * G_s  # one buffer for both products: Σ W G is summed before m G overwrites it
     weighted = groups.sum(product)
-    sums = _GroupSums(groups.sum(m_s), weighted, groups.sum(W_s), groups.sum(torch.mul(m_s, G_s, out=product)))
+    sums = _GroupSums(
+        members=groups.sum(m_s),
+        weighted=weighted,
+        weight=groups.sum(W_s),
+        total=groups.sum(torch.mul(m_s, G_s, out=product)),
+    )  # [g, T]
     counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
     counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
@@ -547,10 +445,10 @@ def _token_block(
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
-        others = (at.members - mask, at.weighted - W * G, at.weight - W, at.total - mask * G)
-        baseline = _baseline_from_sums(*others, baseline_epsilon) * group_has_baseline[group, None]
+        others = at.minus(_GroupSums(members=mask, weighted=W * G, weight=W, total=mask * G))
+        baseline = _baseline_from_sums(others, baseline_epsilon) * group_has_baseline[group, None]
     else:
-        baseline_of_group = _baseline_from_sums(*sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
@@ -559,90 +457,8 @@ def _token_block(
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
         applies = counted & (counts[group] >= 2)
-        advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums.members, sums.total)[:, None])
+        advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])
     return advantage, G
-
-
-# ---------------------------------------------------------------------------
-# Validation of everything that is not a value (values are checked per block).
-# ---------------------------------------------------------------------------
-
-
-_REQUIRED = {
-    ("sequence", "proxy"): ("old_log_probs", "sum_pi_squared"),
-    ("token", "proxy"): ("old_log_probs", "sum_pi_squared"),
-    ("sequence", "exact"): ("grad_norms_sq",),
-    ("token", "exact"): ("cumulative_energy",),
-}
-_TOKEN_INPUTS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights", "cumulative_energy")
-
-
-def _validate(
-    spec: Estimator,
-    token_level_rewards: Any,
-    response_mask: Any,
-    index: Any,
-    named: dict[str, Any],
-    multi_turn: bool,
-    handle_zero_tail: bool,
-) -> _Inputs:
-    rewards = _checks.require_tensor("token_level_rewards", token_level_rewards)
-    if rewards.dim() != 2:
-        raise ValueError(f"token_level_rewards: expected shape [B, T], got {tuple(rewards.shape)}")
-    if rewards.is_complex():
-        raise ValueError(f"token_level_rewards: expected a real dtype, got {rewards.dtype}")
-    shape, device = tuple(rewards.shape), rewards.device
-    mask = _checks.require_tensor("response_mask", response_mask)
-    _checks.require_shape("response_mask", mask, shape, "token_level_rewards")
-    _checks.require_device("response_mask", mask, device, "token_level_rewards")
-    if mask.is_complex():
-        raise ValueError(f"response_mask: expected 0/1 entries, got complex dtype {mask.dtype}")
-    group, num_groups = _checks.group_ids(index, shape[0], device)
-    for name in _TOKEN_INPUTS:
-        if named[name] is None:
-            continue
-        value = _checks.require_tensor(name, named[name])
-        _checks.require_shape(name, value, shape, "token_level_rewards")
-        _checks.require_device(name, value, device, "token_level_rewards")
-        if not value.is_floating_point():
-            raise ValueError(f"{name}: expected a floating dtype, got {value.dtype}")
-    if named["grad_norms_sq"] is not None:
-        value = _checks.require_tensor("grad_norms_sq", named["grad_norms_sq"])
-        _checks.require_shape("grad_norms_sq", value, shape[:1], "the batch size of token_level_rewards")
-        _checks.require_device("grad_norms_sq", value, device, "token_level_rewards")
-        if not value.is_floating_point():
-            raise ValueError(f"grad_norms_sq: expected a floating dtype, got {value.dtype}")
-        norms_range = _Range(0.0, math.inf, low_inclusive=True, rule="squared norms are >= 0")
-        # Finite and >= 0, decided with one host read.
-        if value.numel() and not norms_range.holds(_host_read(list(torch.aminmax(value)))):
-            _raise_if_invalid("grad_norms_sq", value, norms_range, None)
-    for name in _REQUIRED.get((spec.granularity, spec.energy), ()):
-        if named[name] is None:
-            raise ValueError(
-                f"{name}: required by the {spec.granularity}-level {spec.energy!r}-energy estimator, but not given"
-            )
-    if named["rollout_is_weights"] is not None and spec.energy in ("uniform", "exact"):
-        raise ValueError(
-            "rollout_is_weights: scales per-token energies (energy 'length' or 'proxy'); "
-            f"this estimator's energy is {spec.energy!r}"
-        )
-    if spec.granularity == "sequence" and (multi_turn or handle_zero_tail):
-        flag = "multi_turn" if multi_turn else "handle_zero_tail"
-        raise ValueError(f"{flag}: applies to token-level estimators only; this estimator is sequence-level")
-    floating = [rewards] if rewards.is_floating_point() else []
-    dtype = _checks.compute_dtype(*floating, *(named[name] for name in _TOKEN_INPUTS + ("grad_norms_sq",)))
-    return _Inputs(
-        rewards,
-        mask,
-        named["old_log_probs"],
-        named["sum_pi_squared"],
-        named["rollout_is_weights"],
-        named["cumulative_energy"],
-        named["grad_norms_sq"],
-        group,
-        num_groups,
-        dtype,
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -718,10 +534,8 @@ def compute_advantages(
     Returns:
         ``(advantages, returns)``, both ``[B, T]``, fp32, or fp64 if any value
         input (rewards, log-probs, Σπ², energies, IS weights) is fp64; the
-        mask's dtype does not matter. Precision rule: per-token energies in
-        that dtype; returns, realized energies, group sums, baselines, σ and
-        ``G − B`` in fp64; the outputs rounded once (leave-one-out sums are
-        "group total minus own term" in fp64).
+        mask's dtype does not matter; computed in fp64 from the per-token
+        energies on and rounded once (THEORY §3).
         ``returns`` is what the baseline is subtracted from: ``G_t``
         (token level; the reverse cumulative sum of masked rewards, so a hole
         holds the reward still to come) or ``R m_t`` (sequence level).
@@ -743,11 +557,13 @@ def compute_advantages(
         "cumulative_energy": cumulative_energy,
         "rollout_is_weights": rollout_is_weights,
     }
-    inputs = _validate(spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail)
-    epsilon = _checks.nonnegative_scalar("epsilon", epsilon)
+    inputs = _validation.validate(
+        spec, token_level_rewards, response_mask, index, named, multi_turn, handle_zero_tail, epsilon
+    )
+    epsilon = inputs.epsilon
     # ε only where the weights are energies (proxy, exact): counts, and sums of ρ̄² (length with IS weights),
     # divide exactly, as in verl.
-    baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
+    baseline_epsilon = epsilon if spec.epsilon_applies else 0.0
     with torch.no_grad():
         if spec.granularity == "sequence":
             return _sequence_advantages(spec, inputs, epsilon, baseline_epsilon)

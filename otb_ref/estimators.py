@@ -37,6 +37,30 @@ class Estimator:
     leave_one_out: bool = False
     std_normalize: bool = False
 
+    # Derived from the cell (properties: the constructor, equality and hash are the four fields').
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The energy inputs the cell needs beside rewards and mask: ``old_log_probs`` and ``sum_pi_squared``
+        (proxy), ``grad_norms_sq`` (sequence exact: ``‖S‖²``), ``cumulative_energy`` (token exact: ``‖S_t‖²``)."""
+        if self.energy == "proxy":
+            return ("old_log_probs", "sum_pi_squared")
+        if self.energy == "exact":
+            return ("grad_norms_sq",) if self.granularity == "sequence" else ("cumulative_energy",)
+        return ()
+
+    @property
+    def per_token_energy(self) -> bool:
+        """Whether the weights are sums of per-token energies ``w_t`` (length, proxy): what rollout IS weights
+        scale by ``ρ̄_t²`` (§4). Uniform weights are counts; exact ones are given whole (``‖S‖²``, ``‖S_t‖²``)."""
+        return self.energy in ("length", "proxy")
+
+    @property
+    def epsilon_applies(self) -> bool:
+        """Whether the baseline's ``ε`` applies: weights that are energies (proxy, exact). Counts and sums of
+        ``ρ̄²`` (uniform, length) divide exactly (THEORY §3)."""
+        return self.energy in ("proxy", "exact")
+
 
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator("sequence", "uniform", std_normalize=True),

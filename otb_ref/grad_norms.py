@@ -33,6 +33,7 @@ gradient per row with ``torch.func``) to rounding.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +42,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from otb_ref._checks import lm_batch_masks, positive_scalar, require_tensor
-from otb_ref.proxy import _chunk_logits, _default_chunk_size
+from otb_ref._checks import compute_dtype, lm_batch_masks, positive_scalar, require_tensor, require_token_ids
+from otb_ref.proxy import chunk_logits, chunk_logits_grad_, default_chunk_size
 
 __all__ = ["lm_head_log_probs", "plain_lm_head", "row_grad_norms_sq", "sequence_grad_norms_sq"]
 
@@ -51,10 +52,12 @@ _BLOCK_ELEMENTS = 1 << 27
 # Norm-layer classes checked to compute ``w ⊙ n(x) + b`` (True) or not (False): checked once per class, because
 # the check reads a value on the host, and a host sync per layer inside the backward stalls an accelerator.
 _AFFINE_NORM_CLASSES: dict[type, bool] = {}
-# How linear layers' weight norms are computed: "auto" (the cheaper form per call), "gram" or "materialize".
-LINEAR_METHOD = "auto"
-# The tapes recording a forward now (innermost last): where lm_head_log_probs records its call.
-_RECORDING: list = []
+# How linear layers' weight norms may be computed (``linear_method``): "auto" (the cheaper form per call), "gram" or
+# "materialize".
+LINEAR_METHODS = ("auto", "gram", "materialize")
+# The tapes recording a forward now (innermost last): where lm_head_log_probs finds the row_grad_norms_sq call whose
+# objective runs it. A context variable: set and reset by the tape's ``recording()``, one value per thread and task.
+_recording: contextvars.ContextVar[tuple[_Tape, ...]] = contextvars.ContextVar("otb_ref_grad_norms_tapes", default=())
 
 
 def sequence_grad_norms_sq(
@@ -65,6 +68,8 @@ def sequence_grad_norms_sq(
     temperature: float = 1.0,
     chunked_lm_head: bool = False,
     chunk_size: int | None = None,
+    *,
+    linear_method: str = "auto",
 ) -> torch.Tensor:
     """``||S_i||² = ||∇_θ Σ_t m_it log π(y_it)||²`` for every row, in one forward + backward (F3).
 
@@ -86,6 +91,7 @@ def sequence_grad_norms_sq(
             ``model.get_output_embeddings()``, which must compute plain ``h Wᵀ`` logits (refused: a head bias,
             ``final_logit_softcapping`` or a ``logit_scale`` ≠ 1 in ``model.config``).
         chunk_size: vocabulary rows per chunk of the chunked head (default: see :func:`lm_head_log_probs`).
+        linear_method: how linear layers' weight norms are computed, as in :func:`row_grad_norms_sq`.
 
     Returns:
         ``[B]`` float32 (accumulated in float64), ``>= 0``; 0 for an empty response.
@@ -115,8 +121,7 @@ def sequence_grad_norms_sq(
 
         def log_probs_of_targets() -> torch.Tensor:  # [B, L-1]
             logits = logits_of(model(input_ids, **kwargs))  # [B, L, V]
-            dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            z = logits[:, :-1].to(dtype) / tau  # [B, L-1, V]
+            z = logits[:, :-1].to(compute_dtype(logits)) / tau  # [B, L-1, V]
             return z.gather(-1, targets[..., None]).squeeze(-1) - z.logsumexp(dim=-1)
 
     def response_log_likelihood() -> torch.Tensor:  # [B]
@@ -124,7 +129,7 @@ def sequence_grad_norms_sq(
         return (log_probs * mask[:, 1:].to(log_probs.dtype)).sum(dim=1)
 
     with _eval_mode(model):
-        return row_grad_norms_sq(model, response_log_likelihood)
+        return row_grad_norms_sq(model, response_log_likelihood, linear_method=linear_method)
 
 
 def _last_hidden(output) -> torch.Tensor:
@@ -166,7 +171,9 @@ def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return get_decoder(), head
 
 
-def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -> torch.Tensor:
+def row_grad_norms_sq(
+    model: nn.Module, objective: Callable[[], torch.Tensor], *, linear_method: str = "auto"
+) -> torch.Tensor:
     """``||∇_θ f_i||²`` for each row ``i`` of ``f = objective()``, in one forward + backward.
 
     Args:
@@ -179,13 +186,18 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
             Non-reentrant activation checkpointing is supported, selective too (a checkpointed call's input comes
             back with the recomputation); reentrant checkpointing and other saved-tensor hooks (e.g.
             ``save_on_cpu``) are refused.
+        linear_method: how each linear layer call's weight norm is computed: ``"auto"`` (default) the cheaper of
+            the Gram form and the materialised gradient (see :func:`linear_weight_norms_sq`), or always
+            ``"gram"`` or ``"materialize"``. Every choice gives the exact norms (to rounding).
 
     Returns:
         ``[B]`` float32 (accumulated in float64). The parameters' ``.grad`` fields are not touched.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    tape = _Tape(model)
+    if linear_method not in LINEAR_METHODS:
+        raise ValueError(f"linear_method: expected one of {LINEAR_METHODS}, got {linear_method!r}")
+    tape = _Tape(model, linear_method)
     try:
         with torch.inference_mode(False), torch.enable_grad(), tape.recording():
             f = objective()
@@ -199,6 +211,15 @@ def row_grad_norms_sq(model: nn.Module, objective: Callable[[], torch.Tensor]) -
         return tape.finish().float()
     finally:
         tape.detach_hooks()
+
+
+def recorded_calls() -> list:
+    """The layer calls recorded so far by the innermost :func:`row_grad_norms_sq` whose objective is running now;
+    empty outside one. A hook for tests and debugging: each call has ``module``, ``kind`` (``"linear"``,
+    ``"embedding"`` or ``"norm"``), ``inputs`` (None while a checkpointed call waits for its recomputation),
+    ``output`` (kept only where the backward starts) and ``recomputed``."""
+    tapes = _recording.get()
+    return tapes[-1].calls if tapes else []
 
 
 # --------------------------------------------------------------------------- the LM head, chunked over the vocabulary
@@ -238,14 +259,15 @@ def lm_head_log_probs(
     rows, positions, width = hidden.shape
     if chunk_size is None:
         per_entry = max(rows * positions, rows * width)  # the chunk's logits; its materialised head gradients
-        chunk_size = _default_chunk_size(weight.shape[0], per_entry, hidden.device)
+        chunk_size = default_chunk_size(weight.shape[0], per_entry, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     if positions == 0:  # no token to predict: nothing depends on the head
-        return torch.zeros(targets.shape, dtype=_accumulate_dtype(hidden), device=hidden.device)
+        return torch.zeros(targets.shape, dtype=compute_dtype(hidden), device=hidden.device)
     recorded = None
-    if _RECORDING and torch.is_grad_enabled():
-        tape = _RECORDING[-1]
+    tapes = _recording.get()
+    if tapes and torch.is_grad_enabled():
+        tape = tapes[-1]
         call, hidden = tape.record_chunked_head(lm_head, hidden)
         if call is not None:
             recorded, weight = (tape, call), weight.detach()  # the tape books W's norms; W's gradient is not needed
@@ -270,10 +292,7 @@ def _check_head(hidden, lm_head, targets) -> torch.Tensor:
         raise ValueError(
             f"targets: expected integer ids {tuple(hidden.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}"
         )
-    if targets.numel():
-        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host read
-        if low < 0 or high >= weight.shape[0]:
-            raise ValueError(f"targets: token ids must lie in [0, {weight.shape[0]}) (the rows of the head's weight)")
+    require_token_ids("targets", targets, weight.shape[0], "the rows of the head's weight")
     return weight
 
 
@@ -294,12 +313,12 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_tau, chunk_size, recorded):  # noqa: D401
         h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [N, d], [N]
-        dtype = _accumulate_dtype(hidden)
+        dtype = compute_dtype(hidden)
         running_max = torch.full(y.shape, -torch.inf, dtype=dtype, device=h.device)
         running_sum = torch.zeros_like(running_max)
         target_logit = torch.zeros_like(running_max)
         for chunk in _vocab_chunks(weight.shape[0], chunk_size):
-            z = _chunk_logits(h, weight[chunk], inv_tau, dtype)  # [N, c]
+            z = chunk_logits(h, weight[chunk], inv_tau, dtype)  # [N, c]
             local, inside = _in_chunk(y, chunk)
             target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
             new_max = torch.maximum(running_max, z.amax(dim=1))
@@ -321,11 +340,10 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         norms = _HeadNorms(*ctx.recorded, hidden, weight.shape[0], ctx.chunk_size) if ctx.recorded else None
         for chunk in _vocab_chunks(weight.shape[0], ctx.chunk_size):
-            z = _chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
-            c = z.sub_(logsumexp[:, None]).exp_().mul_(-g[:, None])  # −g π
+            z = chunk_logits(h, weight[chunk], ctx.inv_tau, dtype)  # [N, c]
             local, inside = _in_chunk(y, chunk)
-            c.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])  # + g e_y
-            c = c.mul_(ctx.inv_tau).to(hidden.dtype)  # [N, c]: the gradient at the head's output
+            # [N, c]: the gradient at the head's output, g (e_y − π) / τ
+            c = chunk_logits_grad_(z, logsumexp, g, local, torch.where(inside, g, 0.0), ctx.inv_tau, hidden.dtype)
             if grad_h is not None:
                 grad_h += (c @ weight[chunk]).to(dtype)
             if grad_w is not None:
@@ -350,24 +368,26 @@ class _HeadNorms:
                 "lm_head: its weight is used by another call than the input embedding's; lm_head_log_probs "
                 "supports a head tied to the input embedding only"
             )
-        dtype = _accumulate_dtype(hidden)
+        dtype = compute_dtype(hidden)
         self.tied = {id(e): _TiedIds(_ids(e, rows), vocab, chunk_size, positions, dtype) for e in partners}
-        self.gram = _use_gram(positions, width, vocab)
+        self.gram = _use_gram(positions, width, vocab, tape.linear_method)
         self.cc = torch.zeros(rows, positions, positions, dtype=dtype, device=hidden.device) if self.gram else None
         self.norms = torch.zeros(rows, dtype=torch.float64, device=hidden.device)
 
     def add(self, c: torch.Tensor, chunk: slice) -> None:
         """One chunk's logit gradients ``c`` [B, T, c] (vocabulary rows ``chunk``)."""
         if self.gram:  # Σ_chunks c_s·c_t
-            self.cc += _bmm(c, c.transpose(1, 2))
+            self.cc += batched_matmul(c, c.transpose(1, 2))
         else:  # Σ_chunks ||c_iᵀ h_i||²
-            self.norms += _squared_norms(_bmm(c.transpose(1, 2), self.hidden))
+            self.norms += _squared_norms(batched_matmul(c.transpose(1, 2), self.hidden))
         for tied in self.tied.values():
             tied.take(c, chunk)
 
     def book(self) -> None:
         if self.gram:  # Σ_{s,t} (h_s·h_t)(c_s·c_t)
-            self.norms = (_bmm(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(dim=(1, 2), dtype=torch.float64)
+            self.norms = (batched_matmul(self.hidden, self.hidden.transpose(1, 2)) * self.cc).sum(
+                dim=(1, 2), dtype=torch.float64
+            )
         self.tape.book(self.call, [self.norms], {key: tied.at_ids() for key, tied in self.tied.items()})
 
 
@@ -436,8 +456,9 @@ class _Tape:
     are there, outside the recomputation. A start of the backward keeps its input: nothing recomputes it for it.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, linear_method: str = "auto"):
         self.layers = _supported_layers(model)
+        self.linear_method = linear_method  # one of LINEAR_METHODS
         self.calls: list[_Call] = []
         self.total: torch.Tensor | None = None
         self.hooks: list = []  # handles of the output-gradient hooks
@@ -454,12 +475,12 @@ class _Tape:
         :func:`lm_head_log_probs` finds the tape here."""
         handles = [m.register_forward_pre_hook(self._enter) for m in self.layers]
         handles += [m.register_forward_hook(self._record) for m in self.layers]
-        _RECORDING.append(self)
+        token = _recording.set((*_recording.get(), self))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
         finally:
-            _RECORDING.remove(self)
+            _recording.reset(token)
             for h in handles:
                 h.remove()
 
@@ -597,10 +618,12 @@ class _Tape:
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)
             ids = {id(e): _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1) for e in partners}
-            self.book(call, _own_norms_sq(call, g).values(), {k: c.gather(2, i) for k, i in ids.items()})
+            self.book(
+                call, _own_norms_sq(call, g, self.linear_method).values(), {k: c.gather(2, i) for k, i in ids.items()}
+            )
         else:
             call.grad = g if partners else None
-            self.book(call, _own_norms_sq(call, g).values(), {})
+            self.book(call, _own_norms_sq(call, g, self.linear_method).values(), {})
         if not partners:
             call.inputs = None  # used: let it go
 
@@ -676,7 +699,7 @@ def _shared_parameters(calls: list[_Call]) -> dict[int, _Shared]:
 # --------------------------------------------------------------------------- per-row squared norms
 
 
-def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _own_norms_sq(call: _Call, g: torch.Tensor, linear_method: str) -> dict[str, torch.Tensor]:
     """``{parameter name: [B] float64}``: each trainable parameter's ``||∇ f_i||²`` from this call alone."""
     own = _trainable(call.module)
     if call.kind == "linear":
@@ -684,9 +707,9 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
         g = g.reshape(g.shape[0], -1, g.shape[-1])  # [B, T, d_out]
         out = {}
         if "weight" in own:
-            out["weight"] = linear_weight_norms_sq(a, g)
+            out["weight"] = linear_weight_norms_sq(a, g, linear_method)
         if "bias" in own:
-            out["bias"] = _squared_norms(g.sum(dim=1, dtype=_accumulate_dtype(g)))
+            out["bias"] = _squared_norms(g.sum(dim=1, dtype=compute_dtype(g)))
         return out
     if call.kind == "embedding":
         return {"weight": embedding_norms_sq(call.inputs, g, call.module.num_embeddings)}
@@ -694,13 +717,11 @@ def _own_norms_sq(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: _squared_norms(gr) for n, gr in grads.items()}
 
 
-def _accumulate_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x @ y`` batched, result in float32 (float64 for float64) with bf16/fp16 inputs kept as they are on CUDA."""
-    dtype = _accumulate_dtype(x)
+def batched_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` batched (``[b, n, k] @ [b, k, m]``), the result in the compute dtype (float32, float64 for float64):
+    bf16/fp16 inputs are multiplied as they are on CUDA with a float32 result (``out_dtype``, where torch has it),
+    elsewhere converted first. Every product of activations and gradients in this module goes through here."""
+    dtype = compute_dtype(x)
     if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
         try:
             return torch.bmm(x, y, out_dtype=torch.float32)
@@ -720,10 +741,10 @@ def _row_blocks(rows: int, per_row: int):
         yield slice(start, min(rows, start + step))
 
 
-def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None = None) -> torch.Tensor:
+def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """``||Σ_t g_t a_tᵀ||²`` per row: the Gram form or the materialised gradient, whichever is cheaper.
 
-    a: [B, T, d_in], g: [B, T, d_out]. method: "auto" (default: ``LINEAR_METHOD``), "gram" or
+    a: [B, T, d_in], g: [B, T, d_out]. method: "auto" (default), "gram" or
     "materialize". Returns [B] float64.
     """
     rows, positions, d_in = a.shape
@@ -732,19 +753,18 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str | None 
     per_row = positions * positions if gram else d_in * g.shape[-1]
     for r in _row_blocks(rows, per_row):
         if gram:  # Σ_{s,t} (a_s · a_t)(g_s · g_t)
-            aa = _bmm(a[r], a[r].transpose(1, 2))  # [b, T, T]
-            gg = _bmm(g[r], g[r].transpose(1, 2))  # [b, T, T]
+            aa = batched_matmul(a[r], a[r].transpose(1, 2))  # [b, T, T]
+            gg = batched_matmul(g[r], g[r].transpose(1, 2))  # [b, T, T]
             out[r] = (aa * gg).sum(dim=(1, 2), dtype=torch.float64)
         else:  # ||G_i||², G_i = g_iᵀ a_i
-            out[r] = _squared_norms(_bmm(g[r].transpose(1, 2), a[r]))
+            out[r] = _squared_norms(batched_matmul(g[r].transpose(1, 2), a[r]))
     return out
 
 
-def _use_gram(positions: int, d_in: int, d_out: int, method: str | None = None) -> bool:
+def _use_gram(positions: int, d_in: int, d_out: int, method: str) -> bool:
     """Whether a linear weight's norm takes the Gram form: cost ``T² (d_in + d_out)`` against the materialised
-    gradient's ``T d_in d_out`` ("auto"), or as ``method`` (default ``LINEAR_METHOD``) says."""
-    method = method or LINEAR_METHOD
-    if method not in ("auto", "gram", "materialize"):
+    gradient's ``T d_in d_out`` ("auto"), or as ``method`` says."""
+    if method not in LINEAR_METHODS:
         raise ValueError(f"method: expected 'auto', 'gram' or 'materialize', got {method!r}")
     cheaper = positions * positions * (d_in + d_out) < positions * d_in * d_out
     return method == "gram" or (method == "auto" and cheaper)
@@ -757,7 +777,7 @@ def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.
     g = g.reshape(rows, ids.shape[1], -1)  # [B, T, d]
     row_of = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)  # [B, T]
     keys, where = torch.unique((row_of * vocab + ids).flatten(), return_inverse=True)  # [U], [B*T]
-    summed = torch.zeros(keys.shape[0], g.shape[-1], dtype=_accumulate_dtype(g), device=g.device)  # [U, d]
+    summed = torch.zeros(keys.shape[0], g.shape[-1], dtype=compute_dtype(g), device=g.device)  # [U, d]
     summed.index_add_(0, where, g.reshape(-1, g.shape[-1]).to(summed.dtype))
     out = torch.zeros(rows, dtype=torch.float64, device=g.device)
     return out.index_add_(0, keys // vocab, _squared_norms(summed))
@@ -774,7 +794,7 @@ def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tenso
     if set(call.params) <= {"weight", "bias"} and "weight" in call.params:
         normalized = _affine_norm_input(call, verify=type(call.module) not in _AFFINE_NORM_CLASSES)  # or None
         if normalized is not None:
-            dtype = _accumulate_dtype(g)
+            dtype = compute_dtype(g)
             out = {}
             if "weight" in names:
                 out["weight"] = (g.to(dtype) * normalized.to(dtype)).flatten(1, -2).sum(dim=1)
@@ -839,16 +859,20 @@ def _cross(call_a: _Call, name_a: str, call_b: _Call, name_b: str) -> torch.Tens
     if kinds == {"linear"} and name_a == name_b == "weight":  # Σ_{s,t} (a_s·a'_t)(g_s·g'_t)
         a, g = _rows3(call_a.inputs), _rows3(call_a.grad)
         a2, g2 = _rows3(call_b.inputs), _rows3(call_b.grad)
-        return (_bmm(a, a2.transpose(1, 2)) * _bmm(g, g2.transpose(1, 2))).sum(dim=(1, 2), dtype=torch.float64)
+        return (batched_matmul(a, a2.transpose(1, 2)) * batched_matmul(g, g2.transpose(1, 2))).sum(
+            dim=(1, 2), dtype=torch.float64
+        )
     if kinds == {"linear", "embedding"}:  # Σ_{s,t} c_t[x_s] (g_s · h_t)
         linear, embedding = (call_a, call_b) if call_a.kind == "linear" else (call_b, call_a)
         h, g = _rows3(linear.inputs), _rows3(embedding.grad)  # [B, T, d], [B, S, d]
         c_at_ids = linear.grad_at_ids[id(embedding)]  # [B, T, S]: c_t[x_s]
-        return (_bmm(h, g.transpose(1, 2)).to(torch.float64) * c_at_ids.to(torch.float64)).sum(dim=(1, 2))
+        return (batched_matmul(h, g.transpose(1, 2)).to(torch.float64) * c_at_ids.to(torch.float64)).sum(dim=(1, 2))
     if kinds == {"embedding"}:  # Σ_v ⟨Σ_{x_s = v} g_s, Σ_{x'_t = v} g'_t⟩
         ids_a, ids_b = call_a.inputs.reshape(call_a.grad.shape[0], -1), call_b.inputs.reshape(call_b.grad.shape[0], -1)
         same = (ids_a[:, :, None] == ids_b[:, None, :]).to(torch.float64)  # [B, S, S']
-        return (_bmm(_rows3(call_a.grad), _rows3(call_b.grad).transpose(1, 2)).double() * same).sum(dim=(1, 2))
+        return (batched_matmul(_rows3(call_a.grad), _rows3(call_b.grad).transpose(1, 2)).double() * same).sum(
+            dim=(1, 2)
+        )
     raise ValueError(
         f"model: a parameter is shared by {type(call_a.module).__name__}.{name_a} and "
         f"{type(call_b.module).__name__}.{name_b}; per-row norms support sharing between Linear and Embedding weights"
@@ -866,7 +890,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """``[B, 10]`` per row (float32, float64 for float64): the first 8 values, the sum and the norm; tells which of
     a layer's checkpointed calls a recomputed input belongs to."""
-    rows, dtype = x.reshape(x.shape[0], -1), _accumulate_dtype(x)
+    rows, dtype = x.reshape(x.shape[0], -1), compute_dtype(x)
     summary = [rows.sum(dim=1, dtype=dtype), torch.linalg.vector_norm(rows, dim=1, dtype=dtype)]
     return torch.cat([rows[:, :8].to(dtype), torch.stack(summary, dim=1)], dim=1)
 

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from otb_ref._checks import compute_dtype, positive_scalar, require_device, require_tensor
+from otb_ref._checks import compute_dtype, positive_scalar, require_device, require_tensor, require_token_ids
 
 __all__ = ["sum_pi_squared", "token_energy", "logprobs_and_sum_pi_squared", "FUSED_CHUNK_ROWS"]
 
@@ -32,11 +32,6 @@ __all__ = ["sum_pi_squared", "token_energy", "logprobs_and_sum_pi_squared", "FUS
 # the matmul efficient.
 _CHUNK_ELEMENTS = {"cpu": 1 << 22}
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
-
-
-def _energy_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; everything else is computed in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _logsumexp_and_sum_pi_squared_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +76,7 @@ def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
         raise ValueError(f"logits: needs a non-empty last (vocabulary) dim, got {tuple(logits.shape)}")
     tau = positive_scalar("temperature", temperature)
     with torch.no_grad():
-        z = logits.to(_energy_dtype(logits.dtype), copy=True)
+        z = logits.to(compute_dtype(logits), copy=True)
         if tau != 1.0:
             z.div_(tau)
         _, result = _logsumexp_and_sum_pi_squared_(z)
@@ -120,13 +115,29 @@ def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch
     return pi_y.mul_(-2.0).add_(1.0).add_(sum_pi_squared.detach().to(dtype)).clamp_(0.0, 2.0)
 
 
-def _default_chunk_size(num_rows: int, vocab: int, device: torch.device) -> int:
+# ---------------------------------------------------------------------------
+# The chunk helpers of the eager LM heads: this module's, chunked over rows,
+# and otb_ref.grad_norms.lm_head_log_probs, chunked over the vocabulary.
+# ---------------------------------------------------------------------------
+
+
+def default_chunk_size(num_chunked: int, width: int, device: torch.device) -> int:
+    """How many of ``num_chunked`` slices to take per chunk when each is ``width`` elements wide.
+
+    The chunk's largest buffer (``[chunk, width]``) stays within about 4M elements on CPU (64M on accelerators);
+    at least 1, at most ``num_chunked``. The row-chunked head chunks rows of ``V`` logits; the vocabulary-chunked
+    head (``grad_norms``) chunks vocabulary rows of ``max(B·T, B·d)`` entries.
+    """
     budget = _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS_ACCELERATOR)
-    return max(1, min(num_rows, budget // max(vocab, 1)))
+    return max(1, min(num_chunked, budget // max(width, 1)))
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_tau: float, dtype: torch.dtype) -> torch.Tensor:
-    """``(hidden @ weightᵀ) / τ`` as a fresh ``[c, V]`` tensor of ``dtype``."""
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_tau: float, dtype: torch.dtype) -> torch.Tensor:
+    """``(hidden @ weightᵀ) / τ`` as a fresh ``[c, V]`` tensor of ``dtype`` (the compute dtype).
+
+    hidden: ``[c, d]``; weight: ``[V, d]`` (all of an LM head's rows, or a chunk of them), hidden's dtype. The
+    matmul runs in the input dtype, its output is rounded once to ``dtype``, then scaled by ``inv_tau = 1/τ``.
+    """
     logits = hidden @ weight.T  # [c, V] in the input dtype
     logits = logits.to(dtype)  # no copy when already dtype: the matmul output is fresh
     if inv_tau != 1.0:
@@ -134,19 +145,43 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_tau: float, dt
     return logits
 
 
+def chunk_logits_grad_(
+    z: torch.Tensor,
+    logsumexp: torch.Tensor,
+    grad_log_probs: torch.Tensor,
+    target_columns: torch.Tensor,
+    target_grads: torch.Tensor,
+    inv_tau: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The gradient of ``Σ_i g_i log π_i(y_i)`` w.r.t. the raw logits, ``g (e_y − π) / τ``, from ``z`` (F6).
+
+    Overwrites ``z`` (``[c, V']``, from :func:`chunk_logits`: the logits / τ in the compute dtype, all of the
+    vocabulary or a chunk of it): ``π = exp(z − logsumexp)``, ``z ← −g π``, then ``+ g`` at each row's target
+    column, then ``× 1/τ``; returned rounded once to ``dtype`` (the input dtype). ``logsumexp`` and
+    ``grad_log_probs`` (``g``): ``[c]`` in z's dtype. ``target_columns``: ``[c]`` int64, the column of ``y`` in
+    ``z``; ``target_grads``: ``[c]``, ``g`` where ``y`` lies in this chunk of the vocabulary, else 0 (then the
+    column is any valid one). The fused path's :func:`fused_logits_grad_` computes the same formula in the form
+    ``torch.compile`` fuses (its own rounding: it stays apart so that its compiled kernel is unchanged).
+    """
+    grad = z.sub_(logsumexp[:, None]).exp_().mul_(-grad_log_probs[:, None])  # −g π, π = softmax(z)
+    grad.scatter_add_(1, target_columns[:, None], target_grads[:, None])  # + g e_y
+    return grad.mul_(inv_tau).to(dtype)  # d log π_y / d logits = (e_y − π) / τ
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """Chunked ``log π(y)`` and ``Σπ²``; backward recomputes each chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_tau, chunk_size):  # noqa: D401
-        dtype = _energy_dtype(hidden.dtype)
+        dtype = compute_dtype(hidden)
         num_rows = hidden.shape[0]
         log_probs = torch.empty(num_rows, dtype=dtype, device=hidden.device)
         logsumexp = torch.empty_like(log_probs)
         sum_pi_squared = torch.empty_like(log_probs)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            z = _chunk_logits(hidden[rows], weight, inv_tau, dtype)  # [c, V]
+            z = chunk_logits(hidden[rows], weight, inv_tau, dtype)  # [c, V]
             target_logit = z.gather(1, targets[rows, None]).squeeze(1)  # [c]
             logsumexp[rows], sum_pi_squared[rows] = _logsumexp_and_sum_pi_squared_(z)
             log_probs[rows] = target_logit - logsumexp[rows]
@@ -169,12 +204,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]  # [c, d]
             g = grad_log_probs[rows].to(dtype)  # [c]
-            z = _chunk_logits(h, weight, ctx.inv_tau, dtype)  # [c, V]
-            pi = z.sub_(logsumexp[rows, None]).exp_()  # [c, V] softmax
-            # d log π_y / d z = (e_y − π) / τ, times the upstream gradient g.
-            grad_z = pi.mul_(-g[:, None])
-            grad_z.scatter_add_(1, targets[rows, None], g[:, None])
-            grad_z = grad_z.mul_(ctx.inv_tau).to(hidden.dtype)  # [c, V]
+            z = chunk_logits(h, weight, ctx.inv_tau, dtype)  # [c, V]
+            grad_z = chunk_logits_grad_(z, logsumexp[rows], g, targets[rows], g, ctx.inv_tau, hidden.dtype)  # [c, V]
             if need_hidden:
                 grad_hidden[rows] = grad_z @ weight
             if need_weight:
@@ -344,8 +375,11 @@ class _FusedChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _use_fused(implementation: str, hidden: torch.Tensor) -> bool:
-    """``"auto"``: fused on CUDA with Triton (torch.compile's GPU backend), else eager. fp64: always eager."""
+def takes_fused_path(implementation: str, hidden: torch.Tensor) -> bool:
+    """Whether :func:`logprobs_and_sum_pi_squared` takes the fused path for ``implementation`` and ``hidden``.
+
+    ``"fused"``: yes, ``"eager"``: no; ``"auto"``: on CUDA with Triton (torch.compile's GPU backend). fp64: never.
+    """
     if hidden.dtype == torch.float64 or implementation == "eager":
         return False
     if implementation == "fused":
@@ -427,14 +461,11 @@ def logprobs_and_sum_pi_squared(
             f"targets: shape {tuple(targets.shape)} does not match hidden's leading dims {tuple(hidden.shape[:-1])}"
         )
     vocab = weight.shape[0]
-    if targets.numel():
-        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host read
-        if low < 0 or high >= vocab:
-            raise ValueError(f"targets: token ids must lie in [0, {vocab}) (the rows of weight)")
+    require_token_ids("targets", targets, vocab, "the rows of weight")
     inv_tau = 1.0 / positive_scalar("temperature", temperature)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}")
-    fused = _use_fused(implementation, hidden)
+    fused = takes_fused_path(implementation, hidden)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, d]
     flat_targets = targets.reshape(-1).long()  # [N]
     if chunk_size is None:
@@ -442,7 +473,7 @@ def logprobs_and_sum_pi_squared(
         if fused:
             chunk_size = max(1, min(num_rows, FUSED_CHUNK_ROWS))
         else:
-            chunk_size = _default_chunk_size(num_rows, vocab, hidden.device)
+            chunk_size = default_chunk_size(num_rows, vocab, hidden.device)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     if fused:

@@ -1,9 +1,11 @@
 """The estimator family in plain vectorised torch: the form to read, and to port (THEORY §3, F7).
 
 :func:`otb_ref.compute_advantages` computes exactly these numbers: it checks shapes, devices and dtypes once,
-then runs a blocked, fused path (``otb_ref.advantages``) that checks each block's values as it reads them.
-This module states the same maths with no blocking, no validation and no speed tricks; a hypothesis test
-checks that the two agree everywhere the strategies reach.
+then runs a blocked, fused path (``otb_ref.advantages``) that checks each block's values as it reads them (the
+checks are ``otb_ref._validation``'s). This module states the same maths with no blocking, no validation and no
+speed tricks, and shares no code with the fast path but the table (``otb_ref.estimators``) and F6's per-token
+energy (``otb_ref.proxy.token_energy``); a hypothesis test checks that the two agree everywhere the strategies
+reach, and both are tested against the NumPy loops of ``conformance/ports/numpy_port.py``.
 
 Estimator names and their cells (granularity × energy, flags) are the one table
 :data:`otb_ref.estimators.ESTIMATORS`; :mod:`otb_ref.exact` takes its population baselines' energies from
@@ -29,9 +31,8 @@ prompt.
   (:func:`group_std`): ``R`` for sequence cells, ``G_t`` pooled within positions for token cells (THEORY §3).
   A group whose centred values do not differ (zero spread) is left unscaled.
 * ``ε`` (the baseline's) applies to energy-weighted baselines (``proxy``, ``exact``) only; counts divide exactly.
-* Precision: per-token energies ``w`` in the compute dtype (fp64 if any floating value input is fp64, else fp32);
-  from there on fp64 (``W``, ``v``, ``G`` summed from the end, ``R = G_0``, group sums, baselines, σ, ``G − B``);
-  advantages and returns rounded to the compute dtype once.
+* Precision: stated once per function, where it is applied (where :func:`advantages` and :func:`otb_advantages`
+  choose the compute dtype).
 * Energies: ``w_t`` is clamped into [0, 2] (:func:`otb_ref.proxy.token_energy`).
 * Empty responses (``m ≡ 0``) count as members of their group (with ``R = 0``), except with multi-turn.
 * Multi-turn: positions are generated-token ranks ``k`` (the k-th token with ``m = 1``) instead of ``t``;
@@ -39,6 +40,20 @@ prompt.
 * Zero tail: the unique longest response of a group (length = number of tokens with ``m = 1``) gets baseline
   0 at positions ``≥`` the second-longest length: ranks with multi-turn, absolute positions without (as in
   verl; with holes and no multi-turn, lengths and positions then differ).
+
+Where each rule is applied in :func:`advantages` (one place each; ``tests/test_otb_ref/test_independence.py``
+checks that the names exist; :func:`otb_advantages` states OTB's rules in its own lines):
+
+    per-token energy w_t, the clamp, ρ̄_t²; v, W_t    energies (token_energy: F6's one definition)
+    G_t (from the end), R                            returns_to_go, advantages
+    values off the mask ignored                      advantages
+    the baseline, ε shared, Ḡ, leave-one-out         group_baseline
+    ε only for energies                              advantages (Estimator.epsilon_applies)
+    a group of one: no baseline                      sequence_advantages, token_advantages (_group_size)
+    std scaling, zero spread                         group_std, std_scaled
+    multi-turn ranks                                 generated_token_rank, to_slots
+    zero tail                                        _zero_tail_start
+    precision                                        advantages (where dt is chosen)
 
 Values off the mask are ignored, whatever they are (NaN included). Leave-one-out sums are "group total minus
 own term" in fp64, as in the fast path: when the others' weights are below ~1e-16 of a row's own and ε = 0, that
@@ -239,9 +254,7 @@ def advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` [B, T] of any estimator: the readable twin of ``compute_advantages``.
 
-    Precision (as :func:`otb_advantages`): per-token energies in the compute dtype (fp64 if any floating value
-    input is fp64, else fp32; the mask's dtype does not matter); returns, realized energies, baselines, std scaling
-    and ``G − B`` in fp64; the outputs rounded to the compute dtype once. In fp64 this equals the fast path up to
+    Precision: the rule where the compute dtype ``dt`` is chosen, below. In fp64 this equals the fast path up to
     summation order (~1e-15 relative); in fp32 up to torch's chunked fp32 ``exp`` (π(y) one ulp apart between a block
     and the whole tensor): within 4 fp32 ulps of the returns' scale, times std scaling's amplification
     (tests/test_otb_ref/test_readable.py::test_readable_equals_fast_path_in_fp32)."""
@@ -253,7 +266,10 @@ def advantages(
         rollout_is_weights=rollout_is_weights,
     )
     floating = [x for x in (rewards, grad_norms_sq, *tensors.values()) if x is not None and x.is_floating_point()]
-    dt = torch.float64 if any(x.dtype == torch.float64 for x in floating) else torch.float32  # the compute dtype
+    # Precision rule: per-token energies w in the compute dtype dt (fp64 if any floating value input is fp64, else
+    # fp32; the mask's dtype does not matter); from there on fp64 (W, v, G summed from the end, R = G_0, group sums,
+    # baselines, σ, G − B); advantages and returns rounded to dt once, on the last line.
+    dt = torch.float64 if any(x.dtype == torch.float64 for x in floating) else torch.float32
     valid = mask != 0
     rewards, mask = torch.where(valid, rewards.to(dt), 0.0), valid.to(dt)  # whatever stood off the mask: 0
     tensors = {name: None if x is None else torch.where(valid, x.to(dt), 0.0) for name, x in tensors.items()}
@@ -261,7 +277,7 @@ def advantages(
     ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
     first_seen = {key: g for g, key in enumerate(dict.fromkeys(ids))}
     group = torch.tensor([first_seen[key] for key in ids], dtype=torch.long, device=mask.device)  # [B] in [0, G)
-    baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0
+    baseline_epsilon = epsilon if spec.epsilon_applies else 0.0  # counts divide exactly
     lengths = mask.sum(dim=-1).long()  # [B]
     counted = (lengths > 0).to(dt) if multi_turn else rewards.new_ones(rewards.shape[0])  # [B] 0/1
     v, W = energies(spec, mask, grad_norms_sq=grad_norms_sq, **tensors)  # fp64

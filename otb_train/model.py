@@ -14,6 +14,7 @@ from otb_ref.grad_norms import accepts_keyword, lm_head_log_probs
 from otb_train import distributed
 from otb_train.config import Config, UserError
 from otb_train.tasks import CharTokenizer
+from otb_train.tiny_models import tiny_causal_lm
 
 
 class Policy(nn.Module):
@@ -102,11 +103,13 @@ def load_tokenizer(path: str):
 
 def build_model_and_tokenizer(cfg: Config):
     """(causal LM in fp32, tokenizer, EOS ids, pad id): the built-in tiny Qwen2, or ``--model``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     if not cfg.model:
         tokenizer, width = CharTokenizer(), cfg.hidden_size
-        config = Qwen2Config(
+        lm = tiny_causal_lm(
+            "qwen2",
+            cfg.seed,
             vocab_size=len(tokenizer),
             hidden_size=width,
             intermediate_size=4 * width,
@@ -119,8 +122,6 @@ def build_model_and_tokenizer(cfg: Config):
             eos_token_id=1,
             bos_token_id=None,
         )
-        torch.manual_seed(cfg.seed)
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return lm, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id
     try:
         tokenizer = load_tokenizer(cfg.model)

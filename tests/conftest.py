@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/strategies.py, tests/reference.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/strategies.py, tests/oracle.py
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -53,7 +53,7 @@ import otb_ref.advantages  # noqa: E402
 
 @pytest.fixture(params=["one_block", "row_blocks"])
 def row_blocking(request):
-    """Run a test with all rows in one block and with one row per block (the CPU blocking path)."""
+    """Run a test with all rows in one block and with a one-element budget (the CPU path: one group per block)."""
     saved = otb_ref.advantages._CPU_BLOCK_ELEMENTS
     otb_ref.advantages._CPU_BLOCK_ELEMENTS = saved if request.param == "one_block" else 1
     yield request.param

@@ -13,13 +13,13 @@ import os
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 
 from otb_ref.exact import sequence_grad_norms_sq_fp64 as exact_norms
 from otb_ref.grad_norms import lm_head_log_probs, row_grad_norms_sq
 from otb_train.model import Policy, enable_hf_activation_checkpointing
 from otb_train.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder, decode_attention
+from otb_train.tiny_models import tiny_causal_lm
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 from train_hooks import run_train  # train.py's main, run from its file, with the tests' hooks
 
 import otb_ref.readable
@@ -26,6 +25,7 @@ from otb_train.data import check_prompts, encode_prompt, problem_at
 from otb_train.energies import exact_energies
 from otb_train.model import load_tokenizer
 from otb_train.tasks import Problem
+from otb_train.tiny_models import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -167,8 +167,8 @@ MUTATIONS = [
     Mutation(
         "Aloo_tok",
         "otb_ref/advantages.py",
-        "others = (at.members - mask, at.weighted - W * G, at.weight - W, at.total - mask * G)",
-        "others = (at.members - mask, at.weighted, at.weight - W, at.total - mask * G)",
+        "others = at.minus(_GroupSums(members=mask, weighted=W * G, weight=W, total=mask * G))",
+        "others = at.minus(_GroupSums(members=mask, weighted=W * G * 0, weight=W, total=mask * G))",
         "token leave-one-out: own term kept in the numerator",
         "f7",
     ),
@@ -183,9 +183,9 @@ MUTATIONS = [
     Mutation(
         "Astd_tok",
         "otb_ref/advantages.py",
-        "advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums.members, sums.total)[:, None])",
-        "advantage.mul_(_std_scale(G[:, :1], m_s[:, :1] * 0 + 1, groups, applies, epsilon, groups.sum(m_s[:, :1] * 0 "
-        "+ 1), groups.sum(G[:, :1]))[:, None])",
+        "advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])",
+        "advantage.mul_(_std_scale(G[:, :1], m_s[:, :1] * 0 + 1, groups, applies, epsilon, _GroupSums(groups.sum("
+        "m_s[:, :1] * 0 + 1), None, None, groups.sum(G[:, :1])))[:, None])",
         "token cells scaled by the std of R (issue 22's bug) instead of G_t pooled within positions",
         "f7",
     ),
@@ -200,7 +200,7 @@ MUTATIONS = [
     Mutation(
         "Aeps",
         "otb_ref/advantages.py",
-        'baseline_epsilon = epsilon if spec.energy in ("proxy", "exact") else 0.0',
+        "baseline_epsilon = epsilon if spec.epsilon_applies else 0.0",
         "baseline_epsilon = epsilon",
         "ε added to count denominators too",
         "f7",
@@ -259,8 +259,8 @@ MUTATIONS = [
     Mutation(
         "Eshare",
         "otb_ref/advantages.py",
-        "return torch.where(positive, (weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
-        "return torch.where(positive, weighted / torch.where(positive, denominator, 1.0), mean)",
+        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
+        "sums.weighted / torch.where(positive, denominator, 1.0), mean)",
         "fast token baseline: verl's Σ a G / (Σ a + ε) (ε not shared with the members' mean)",
         "f7",
     ),
@@ -269,7 +269,7 @@ MUTATIONS = [
         "otb_ref/readable.py",
         "return torch.where(den > 0, (num + epsilon * mean) / torch.where(den > 0, den, 1.0), mean)",
         "return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), mean)",
-        "readable group_baseline (and the fast sequence cells): ε not shared with the members' mean",
+        "readable group_baseline: ε not shared with the members' mean",
         "f7",
     ),
     Mutation(
@@ -283,8 +283,8 @@ MUTATIONS = [
     Mutation(
         "Ezero",
         "otb_ref/advantages.py",
-        "return torch.where(positive, (weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
-        "return torch.where(positive, (weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), 0.0)",
+        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
+        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), 0.0)",
         "fast token baseline: 0 instead of the members' mean where Σ a + ε = 0",
         "f7",
     ),

@@ -3,10 +3,12 @@
 
     python conformance/check.py conformance/ports/numpy_port.py:compute_advantages
 
-The conformance generator checks it on every case beside otb_ref (a cross-check of the expected values); the
-ports that break one rule each are ``conformance/ports/bugs/one_rule.py``, built on ``vector_port.py``.
-``direct=True`` forms leave-one-out sums over the others instead of "all minus own" (both are legitimate; the
-vectors' tolerance admits either). Slow on purpose (Python loops over groups, rows and positions); NumPy only.
+It is the independent oracle the tests compare otb_ref against (tests/oracle.py, with ``direct=True``),
+torch-free and sharing no code with otb_ref. The vectors' expected values are otb_ref's; the conformance
+generator checks this port on every case beside them (a cross-check). The ports that break one rule each are
+``conformance/ports/bugs/one_rule.py``, built on ``vector_port.py``. ``direct=True`` forms leave-one-out sums
+over the others instead of "all minus own" (both are legitimate; the vectors' tolerance admits either). Slow on
+purpose (Python loops over groups, rows and positions); NumPy only.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 * :mod:`otb_ref.exact.grad_norms` — exact ``||S||²`` and ``||S_t||²`` for real
   batches on any small causal LM (feeds ``"eob"`` and ``"otb_exact"``).
 
-``python -m otb_ref.exact`` prints the exact variance table.
+The exact variance table that uses them is a measurement, outside the library:
+``python -m experiments.exact_table``.
 """
 
 from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64

@@ -373,6 +373,14 @@ def _verl_version() -> str:
     return getattr(verl, "__version__", "unknown")
 
 
+def installed_routes() -> dict[str, bool]:
+    """Which routes :func:`install` put in place in this interpreter: ``compute_advantage`` (ray_trainer's and
+    v1.utils', with the config check), ``fused_kernels`` (Σπ² from verl's fused LM head) and ``v1_trainer``."""
+    return dict(
+        compute_advantage=_route_installed, fused_kernels=_fused_route_installed, v1_trainer=_v1_route_installed
+    )
+
+
 def install() -> None:
     """Register every ``otb_ref.*`` name in verl's estimator registry; on a tested verl, wrap
     ``compute_advantage`` (ray_trainer and v1.utils) and ``validate_config``, and install the fused-kernel route

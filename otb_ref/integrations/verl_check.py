@@ -112,11 +112,8 @@ def probe(overrides: list[str]) -> dict:
     from verl.trainer.ppo import core_algos
 
     report["names"] = sorted(name for name in core_algos.ADV_ESTIMATOR_REGISTRY if name.startswith("otb_ref."))
-    report["routes"] = dict(
-        compute_advantage=bool(plugin and plugin._route_installed),
-        fused_kernels=bool(plugin and plugin._fused_route_installed),
-        v1_trainer=bool(plugin and plugin._v1_route_installed),
-    )
+    routes = plugin.installed_routes() if plugin else {}
+    report["routes"] = {key: bool(routes.get(key)) for key in ("compute_advantage", "fused_kernels", "v1_trainer")}
     report["problems"] = _plugin_problems(report)
     try:
         config = _compose(overrides)

@@ -56,7 +56,8 @@ def test_reach_eos_gives_the_eos_probability_asked_for():
     prompts (same model) give the same order of magnitude: responses end at mixed lengths."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_train_step import reach_eos
-    from tiny_models import tiny_causal_lm
+
+    from otb_train.tiny_models import tiny_causal_lm
 
     lm = tiny_causal_lm("qwen2", 0, vocab_size=300, hidden_size=32, intermediate_size=64, tie_word_embeddings=True)
     reached = reach_eos(lm, eos_id=7, probability=0.02)

@@ -10,6 +10,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import reproduction
 import warm_start
 
+import common
 from otb_train.config import parse_config
 from otb_train.data import encode_prompt
 from otb_train.model import build_model_and_tokenizer, load_tokenizer
@@ -61,7 +62,7 @@ def test_reproduction_quick_records_every_arm_resumes_and_reports(tmp_path):
     assert (out / "reproduction.png").read_bytes()[:4] == b"\x89PNG"
     for arm in reproduction.ARMS:
         record = json.loads((out / "reproduction" / f"{arm}_seed0.json").read_text())
-        assert record["columns"] == reproduction.COLUMNS and [row[0] for row in record["steps"]] == [1, 2]
+        assert record["columns"] == common.RECORD_COLUMNS and [row[0] for row in record["steps"]] == [1, 2]
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "reproduction").iterdir()}
     reproduction.main(["--quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out)])
     assert {p.name: p.stat().st_mtime_ns for p in (out / "reproduction").iterdir()} == stamps

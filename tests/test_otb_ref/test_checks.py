@@ -129,3 +129,13 @@ def test_lm_batch_masks_accept_an_empty_sequence():
     ids = torch.zeros(2, 0, dtype=torch.long)
     mask, attention = _checks.lm_batch_masks(ids, torch.zeros(2, 0), torch.ones(2, 0))
     assert mask.shape == attention.shape == (2, 0) and mask.dtype == attention.dtype == torch.bool
+
+
+def test_token_ids_lie_in_zero_to_vocab():
+    """``[0, V)``: 0 and V − 1 pass, −1 and V are refused with the argument's name and what the ids index; no ids
+    at all pass."""
+    _checks.require_token_ids("targets", torch.tensor([[0, 4], [2, 0]]), 5, "the rows of weight")
+    _checks.require_token_ids("targets", torch.zeros(0, 3, dtype=torch.long), 5, "the rows of weight")
+    for bad in (-1, 5, 9):
+        with pytest.raises(ValueError, match=r"^targets: token ids must lie in \[0, 5\) \(the rows of weight\)$"):
+            _checks.require_token_ids("targets", torch.tensor([0, bad, 4]), 5, "the rows of weight")

@@ -82,3 +82,37 @@ def test_every_cell_built_from_runtime_strings_computes_the_named_estimator():
         if cell.granularity == "sequence":
             with pytest.raises(ValueError, match="^handle_zero_tail: applies to token-level"):
                 compute_advantages(built, rewards, mask, [0, 0, 0, 1, 1, 1], **inputs, handle_zero_tail=True)
+
+
+def test_derived_properties_of_each_cell():
+    """inputs, per_token_energy and epsilon_applies, written out for every row of the table (THEORY §3): the
+    energy inputs each cell reads, where IS weights scale per-token energies (§4), where ε applies."""
+    want = {
+        "grpo": ((), False, False),
+        "rloo": ((), False, False),
+        "opo": ((), True, False),
+        "sequence_proxy": (("old_log_probs", "sum_pi_squared"), True, True),
+        "eob": (("grad_norms_sq",), False, True),
+        "token_mean": ((), False, False),
+        "token_length": ((), True, False),
+        "otb": (("old_log_probs", "sum_pi_squared"), True, True),
+        "otb_exact": (("cumulative_energy",), False, True),
+    }
+    assert set(want) == set(ESTIMATORS)
+    for name, spec in ESTIMATORS.items():
+        assert (spec.inputs, spec.per_token_energy, spec.epsilon_applies) == want[name], name
+        flagged = resolve_estimator(name, leave_one_out=True, std_normalize=True)
+        assert (flagged.inputs, flagged.per_token_energy, flagged.epsilon_applies) == want[name], name
+
+
+def test_derived_properties_leave_constructor_equality_and_hash_as_the_four_fields():
+    assert [f.name for f in dataclasses.fields(Estimator)] == [
+        "granularity",
+        "energy",
+        "leave_one_out",
+        "std_normalize",
+    ]
+    built = Estimator("token", "proxy")
+    assert built == ESTIMATORS["otb"] and hash(built) == hash(ESTIMATORS["otb"])
+    assert repr(built) == "Estimator(granularity='token', energy='proxy', leave_one_out=False, std_normalize=False)"
+    assert len({*ESTIMATORS.values(), built}) == len(ESTIMATORS)  # grpo and rloo differ by their flags only

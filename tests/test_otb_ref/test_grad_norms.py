@@ -13,16 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 from torch import nn
 
 from otb_ref import grad_norms
 from otb_ref.exact import sequence_grad_norms_sq_fp64 as exact_norms
 from otb_ref.grad_norms import embedding_norms_sq, linear_weight_norms_sq, row_grad_norms_sq, sequence_grad_norms_sq
-from otb_train.model import enable_hf_activation_checkpointing
+from otb_train.tiny_models import tiny_causal_lm  # a leaf module: torch and transformers only
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
+
+
+def enable_hf_activation_checkpointing(model: nn.Module) -> None:
+    """transformers' own non-reentrant activation checkpointing of ``model``'s layers:
+    ``activation_checkpointing_enable`` from transformers 5.23 on, ``gradient_checkpointing_enable`` before (as
+    otb_train.model does; not imported from there, so that these tests need otb_ref only)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tiny_lm(family: str, tied: bool, seed: int = 0, **extra) -> nn.Module:
@@ -52,12 +62,11 @@ def padded_batch(seed: int = 0, vocab: int = 29):
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", ["auto", "gram", "materialize"])
-def test_f3_one_pass_norms_equal_exact_per_row_gradients(family, tied, method, monkeypatch):
+def test_f3_one_pass_norms_equal_exact_per_row_gradients(family, tied, method):
     """||S_i||² from one forward + backward equals a separate exact gradient per row (padding, holes, ties)."""
-    monkeypatch.setattr(grad_norms, "LINEAR_METHOD", method)
     model = tiny_lm(family, tied)
     ids, response, attention = padded_batch()
-    got = sequence_grad_norms_sq(model, ids, response, attention)
+    got = sequence_grad_norms_sq(model, ids, response, attention, linear_method=method)
     assert got.dtype == torch.float32 and got.shape == (6,)
     expected = exact_norms(model, ids, response, attention)
     torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
@@ -259,56 +268,6 @@ def test_embedding_norm_adds_repeated_tokens_before_squaring():
     dense.index_put_((torch.arange(2)[:, None].expand(2, 4), ids), g, accumulate=True)  # per-row dense gradient
     torch.testing.assert_close(embedding_norms_sq(ids, g, vocab=6), dense.square().sum(dim=(1, 2)), rtol=1e-13, atol=0)
     assert not torch.allclose(embedding_norms_sq(ids, g, 6), g.square().sum(dim=(1, 2)))
-
-
-# --------------------------------------------------------------------------- the trainer
-
-
-def test_trainer_sequence_norms_equal_exact_on_left_padded_rows():
-    """sequence_norms (policy forward, positions from the mask) == otb_ref.exact on each unpadded row."""
-    from otb_train.config import Config
-    from otb_train.energies import exact_energies, sequence_norms
-    from otb_train.model import Policy, build_model_and_tokenizer
-    from otb_train.rollout import position_ids_from_mask
-
-    lm, _, _, _ = build_model_and_tokenizer(Config(hidden_size=32, num_layers=1))
-    lm = lm.double()
-    gen = torch.Generator().manual_seed(9)
-    ids = torch.randint(2, lm.config.vocab_size, (4, 9), generator=gen)
-    attention = torch.ones(4, 9, dtype=torch.bool)
-    attention[1, :2] = False
-    attention[3, :1] = False
-    mask = torch.ones(4, 5, dtype=torch.bool)
-    mask[2, 3:] = False
-    attention[:, 4:] = mask
-    positions = position_ids_from_mask(attention)
-    policy = Policy(lm, 1.0, None)
-    got = sequence_norms(policy, ids, attention, positions, ids[:, 4:], mask.double())
-    expected = exact_energies("eob", lm, ids, attention, mask, 1.0)["grad_norms_sq"]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
-
-
-def test_fsdp2_two_ranks_with_and_without_activation_checkpointing(tmp_path):
-    """torchrun, 2 gloo ranks: each rank's rows of a sharded policy give the unsharded norms; no .grad set."""
-    out = tmp_path / "fsdp.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(Path(__file__).with_name("fsdp_grad_norms_worker.py")),
-        str(out),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert len(results) == 4
-    for case, result in results.items():
-        torch.testing.assert_close(
-            torch.tensor(result["sharded"]), torch.tensor(result["reference"]), rtol=1e-6, atol=0, msg=case
-        )
-        assert not result["grads_set"] and result["backward_after"], case
 
 
 def test_benchmark_command_quick():
@@ -560,8 +519,10 @@ def test_many_rows_are_one_batch():
 def test_linear_weight_norms_use_the_form_asked_for_and_auto_picks_the_cheaper(monkeypatch):
     """method="gram" multiplies [T, T] Gram matrices, "materialize" builds the [d_out, d_in] gradient, and "auto"
     the cheaper: Gram when T² (d_in + d_out) < T d_in d_out (T = 4, d = 10: 320 < 400), else materialised."""
-    shapes, real = [], grad_norms._bmm
-    monkeypatch.setattr(grad_norms, "_bmm", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y))
+    shapes, real = [], grad_norms.batched_matmul
+    monkeypatch.setattr(
+        grad_norms, "batched_matmul", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y)
+    )
     a, g = torch.randn(1, 4, 10, dtype=torch.float64), torch.randn(1, 4, 10, dtype=torch.float64)
     for method, expected in [("gram", (4, 4)), ("materialize", (10, 10)), ("auto", (4, 4))]:
         shapes.clear()
@@ -581,10 +542,56 @@ class OnCuda(torch.Tensor):
         return True
 
 
+class EmbeddingLinearHead(nn.Module):
+    """Embedding [13, 10] -> Linear 10 -> 10 (a layer call) -> an untied head [13, 10] through lm_head_log_probs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(13, 10), nn.Linear(10, 10), nn.Linear(10, 13, bias=False)
+
+    def objective(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.mix(self.embed(ids))  # [B, T, 10]
+        return grad_norms.lm_head_log_probs(hidden, self.head, ids, chunk_size=5).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    "method, linear_shapes, head_shapes",
+    [("gram", {(4, 4)}, {(4, 4)}), ("materialize", {(10, 10)}, {(5, 10), (3, 10)}), ("auto", {(4, 4)}, {(4, 4)})],
+)
+def test_linear_method_reaches_every_linear_call_and_the_chunked_head(method, linear_shapes, head_shapes, monkeypatch):
+    """row_grad_norms_sq's linear_method picks the form of every linear layer call (T = 4, d = 10: Gram [T, T]
+    products, or materialised [d_out, d_in] gradients) and of the chunked head (Gram, or [chunk, d] per vocabulary
+    chunk of 5, 5, 3 rows); every form gives the same norms."""
+    torch.manual_seed(17)
+    model = EmbeddingLinearHead().double()
+    ids = torch.randint(0, 13, (2, 4), generator=torch.Generator().manual_seed(17))
+    shapes, real = [], grad_norms.batched_matmul
+    monkeypatch.setattr(
+        grad_norms, "batched_matmul", lambda x, y: shapes.append(tuple(real(x, y).shape[1:])) or real(x, y)
+    )
+    got = row_grad_norms_sq(model, lambda: model.objective(ids), linear_method="".join(method))
+    assert set(shapes) == linear_shapes | head_shapes
+    monkeypatch.undo()
+    for other in grad_norms.LINEAR_METHODS:
+        torch.testing.assert_close(got, row_grad_norms_sq(model, lambda: model.objective(ids), linear_method=other))
+    assert grad_norms.recorded_calls() == []  # outside a recording
+
+
+def test_linear_method_must_be_one_of_the_three():
+    model = EmbeddingLinearHead()
+    ids = torch.tensor([[1, 2, 3]])
+    for bad in ("Gram", None, "exact"):
+        with pytest.raises(ValueError, match=r"^linear_method: expected one of \('auto', 'gram', 'materialize'\)"):
+            row_grad_norms_sq(model, lambda: model.objective(ids), linear_method=bad)
+        with pytest.raises(ValueError, match=r"^linear_method: expected one of"):
+            sequence_grad_norms_sq(tiny_lm("qwen2", tied=False), ids, torch.tensor([[0, 1, 1]]), linear_method=bad)
+
+
 @pytest.mark.parametrize("refusal", [None, TypeError, RuntimeError])
 def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal, monkeypatch):
-    """_bmm's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where torch.bmm
-    takes no out_dtype (TypeError) or the device refuses it (RuntimeError), both are upcast to float32 first."""
+    """batched_matmul's rule: bf16 inputs on CUDA are multiplied as bf16 with a float32 result (out_dtype); where
+    torch.bmm takes no out_dtype (TypeError) or the device refuses it (RuntimeError), both are upcast to float32
+    first."""
     calls, real = [], torch.bmm
 
     def bmm(x, y, **options):
@@ -596,12 +603,12 @@ def test_half_inputs_on_cuda_go_to_bmm_as_they_are_with_a_float32_result(refusal
     monkeypatch.setattr(torch, "bmm", bmm)
     x = torch.randn(2, 3, 4).to(torch.bfloat16).as_subclass(OnCuda)
     y = torch.randn(2, 4, 5).to(torch.bfloat16).as_subclass(OnCuda)
-    got = grad_norms._bmm(x, y)
+    got = grad_norms.batched_matmul(x, y)
     assert got.dtype == torch.float32 and torch.equal(got, real(x.float(), y.float()))
     expected = [(torch.bfloat16, {"out_dtype": torch.float32})] + ([(torch.float32, {})] if refusal else [])
     assert calls == expected
     calls.clear()
-    grad_norms._bmm(torch.randn(2, 3, 4).to(torch.bfloat16), torch.randn(2, 4, 5).to(torch.bfloat16))  # CPU
+    grad_norms.batched_matmul(torch.randn(2, 3, 4).to(torch.bfloat16), torch.randn(2, 4, 5).to(torch.bfloat16))  # CPU
     assert calls == [(torch.float32, {})]
 
 
@@ -687,20 +694,17 @@ def test_row_blocks_under_a_small_budget_give_the_same_norms(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", ["gram", "materialize"])
 @pytest.mark.parametrize("chunk_size", [1, 5, None])
-def test_f3_chunked_lm_head_gives_the_exact_norms(family, tied, method, chunk_size, monkeypatch):
+def test_f3_chunked_lm_head_gives_the_exact_norms(family, tied, method, chunk_size):
     """No [B, L, V] logits: the head's norm (and a tied head's cross term) summed over vocabulary chunks, exact."""
-    monkeypatch.setattr(grad_norms, "LINEAR_METHOD", method)
     model = tiny_lm(family, tied, seed=11)
     ids, response, attention = padded_batch(seed=11)
-    got = sequence_grad_norms_sq(
-        model, ids, response, attention, temperature=0.7, chunked_lm_head=True, chunk_size=chunk_size
-    )
+    got = sequence_grad_norms_sq(model, ids, response, attention, 0.7, True, chunk_size, linear_method=method)
     expected = exact_norms(model, ids, response, attention, temperature=0.7)
     torch.testing.assert_close(got.double(), expected, rtol=RTOL, atol=0)
     assert float(got[4]) == 0.0
 
 
-def test_lm_head_log_probs_and_gradients_equal_the_full_logits():
+def test_lm_head_log_probs_and_gradients_equal_the_full_logits(monkeypatch):
     """Values, and gradients in hidden and W under any upstream gradient, equal log_softmax of full logits; every
     logits buffer has at most chunk_size columns."""
     gen = torch.Generator().manual_seed(12)
@@ -709,18 +713,16 @@ def test_lm_head_log_probs_and_gradients_equal_the_full_logits():
     targets = torch.randint(0, 11, (3, 4), generator=gen)
     upstream = torch.randn(3, 4, dtype=torch.float64, generator=gen)
     widths = []
-    real_chunk_logits = grad_norms._chunk_logits
+    real_chunk_logits = grad_norms.chunk_logits  # otb_ref.proxy.chunk_logits, as grad_norms calls it
 
     def spy(h, w, inv_tau, dtype):
         widths.append(w.shape[0])
         return real_chunk_logits(h, w, inv_tau, dtype)
 
-    grad_norms._chunk_logits = spy
-    try:
-        got = grad_norms.lm_head_log_probs(hidden, head, targets, temperature=1.3, chunk_size=4)
-        got_grads = torch.autograd.grad(got, [hidden, head.weight], upstream)
-    finally:
-        grad_norms._chunk_logits = real_chunk_logits
+    monkeypatch.setattr(grad_norms, "chunk_logits", spy)
+    got = grad_norms.lm_head_log_probs(hidden, head, targets, temperature=1.3, chunk_size=4)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight], upstream)
+    monkeypatch.undo()
     full = torch.log_softmax(head(hidden) / 1.3, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     expected_grads = torch.autograd.grad(full, [hidden, head.weight], upstream)
     assert got.dtype == torch.float64 and got.shape == (3, 4)
@@ -917,7 +919,7 @@ def test_checkpointed_layers_keep_no_input_until_their_region_is_recomputed(chec
 
     def objective():
         f = _log_likelihood(model, ids, response, attention)
-        calls = grad_norms._RECORDING[-1].calls
+        calls = grad_norms.recorded_calls()
         outside = (model.model.embed_tokens, model.model.norm, model.lm_head)
         seen["waiting"] = [c.inputs is None and c.output is None for c in calls]
         seen["recomputed"] = [c.recomputed for c in calls]

@@ -274,12 +274,12 @@ def test_auto_uses_the_compiled_kernels_only_on_cuda(monkeypatch):
     from otb_ref import proxy
 
     monkeypatch.setattr(proxy, "has_triton", lambda: True)
-    assert not proxy._use_fused("auto", torch.zeros(1, 2))
-    assert not proxy._use_fused("auto", torch.zeros(1, 2, device="meta"))
-    assert not proxy._use_fused("fused", torch.zeros(1, 2, dtype=torch.float64))  # fp64: always eager
-    assert proxy._use_fused("fused", torch.zeros(1, 2))
+    assert not proxy.takes_fused_path("auto", torch.zeros(1, 2))
+    assert not proxy.takes_fused_path("auto", torch.zeros(1, 2, device="meta"))
+    assert not proxy.takes_fused_path("fused", torch.zeros(1, 2, dtype=torch.float64))  # fp64: always eager
+    assert proxy.takes_fused_path("fused", torch.zeros(1, 2))
     monkeypatch.setattr(proxy, "has_triton", lambda: False)
-    assert not proxy._use_fused("auto", torch.zeros(1, 2))
+    assert not proxy.takes_fused_path("auto", torch.zeros(1, 2))
 
 
 def test_implementation_rule_on_cuda(monkeypatch):
@@ -293,10 +293,10 @@ def test_implementation_rule_on_cuda(monkeypatch):
     monkeypatch.setattr(proxy, "has_triton", lambda: True)
     for name in proxy.IMPLEMENTATIONS:
         built = "".join(list(name))  # equal, not identical
-        assert proxy._use_fused(built, cuda) == (name != "eager"), name
-    assert not proxy._use_fused("auto", SimpleNamespace(dtype=torch.float64, device=torch.device("cuda")))
+        assert proxy.takes_fused_path(built, cuda) == (name != "eager"), name
+    assert not proxy.takes_fused_path("auto", SimpleNamespace(dtype=torch.float64, device=torch.device("cuda")))
     monkeypatch.setattr(proxy, "has_triton", lambda: False)
-    assert not proxy._use_fused("auto", cuda) and proxy._use_fused("fused", cuda)
+    assert not proxy.takes_fused_path("auto", cuda) and proxy.takes_fused_path("fused", cuda)
 
 
 def _lm_head(hidden_shape=(3, 4), vocab=5, targets=None):

@@ -184,9 +184,9 @@ def test_fused_saves_no_logits_for_backward():
 def test_implementation_choice():
     """ "auto" is fused only on CUDA (with Triton); fp64 is always eager; unknown names are rejected."""
     cpu = torch.zeros(2, 3)
-    assert not proxy._use_fused("auto", cpu)
-    assert proxy._use_fused("fused", cpu) and not proxy._use_fused("eager", cpu)
-    assert not proxy._use_fused("fused", cpu.double())
+    assert not proxy.takes_fused_path("auto", cpu)
+    assert proxy.takes_fused_path("fused", cpu) and not proxy.takes_fused_path("eager", cpu)
+    assert not proxy.takes_fused_path("fused", cpu.double())
     with pytest.raises(ValueError, match="^implementation"):
         logprobs_and_sum_pi_squared(cpu, torch.zeros(5, 3), torch.zeros(2, dtype=torch.long), implementation="triton")
 

@@ -2,7 +2,7 @@
 
 Sequence cells centre ``R``: GRPO's unbiased std of the group's returns. Token cells centre ``G_t`` per position:
 the std pooled within positions. A group with zero spread is left unscaled. These tests assert theorems of that
-definition; the loop oracle (tests/reference.py, test_advantages.py) checks every value.
+definition; the loop oracle (conformance/ports/numpy_port.py, test_advantages.py) checks every value.
 """
 
 import math

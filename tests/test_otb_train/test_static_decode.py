@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 
 from otb_train.model import Policy
 from otb_train.rollout import generate, position_ids_from_mask, sampling_uniforms
 from otb_train.static_decode import StaticKVDecoder, decode_attention, static_decode_unsupported
+from otb_train.tiny_models import tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,9 +97,7 @@ def test_unsupported_models_are_refused_with_a_reason():
     assert "model_type 'gpt2'" in static_decode_unsupported(gpt2)
     with pytest.raises(ValueError, match="^lm: static decoding does not support"):
         StaticKVDecoder(model_forward(gpt2), gpt2, 4)
-    sliding = transformers.AutoModelForCausalLM.from_config(
-        transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    )
+    sliding = tiny_causal_lm("qwen2", 0, **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert static_decode_unsupported(sliding) is not None
     assert static_decode_unsupported(tiny_lm("qwen2")) is None
 

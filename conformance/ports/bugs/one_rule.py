@@ -11,11 +11,23 @@ fails it, and tests/test_conformance.py checks that every rule has a port here t
 from __future__ import annotations
 
 import functools
+import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vector_port  # noqa: E402
+
+def _port_beside(name: str):
+    """``conformance/ports/<name>.py``, loaded by its path (a port is a file, not a package; :mod:`check` loads this
+    one the same way), or the module of that name already loaded."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+vector_port = _port_beside("vector_port")
 
 RULES = {  # rule: (PORTING checklist item, what the port does instead)
     "clamp": (1, "w_t = (1 − 2π) + Σπ² unclamped"),

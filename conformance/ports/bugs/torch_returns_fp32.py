@@ -10,14 +10,26 @@ above ``|A|``, the long-T input among them) fail it. On CUDA the sum is fp32 thr
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vector_port  # noqa: E402
+
+def _port_beside(name: str):
+    """``conformance/ports/<name>.py``, loaded by its path (a port is a file, not a package; :mod:`check` loads this
+    one the same way), or the module of that name already loaded."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+vector_port = _port_beside("vector_port")
 
 
 def _returns_fp32(rewards: np.ndarray) -> np.ndarray:

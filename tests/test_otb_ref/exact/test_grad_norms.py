@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 from torch import nn
 
 import otb_ref.exact.grad_norms as grad_norms
 from otb_ref import compute_advantages
 from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64, sequence_grad_norms_sq_fp64
+from otb_train.tiny_models import tiny_causal_lm
 
 # Both sides are float64 computations of the same function at the same
 # parameters; they differ only in the order of floating-point reductions

@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import reference_advantages
+from oracle import oracle_advantages
 from strategies import PolicyCase, policy_cases, rollout_batches
 
 from otb_ref import ESTIMATORS, compute_advantages
@@ -167,7 +167,8 @@ def _policy_gradient(enum, rewards):
 
 
 def _parity_case(policy) -> PolicyCase:
-    """Outcome reward ``R = 1`` when the response holds an odd number of token 1 (as ``python -m otb_ref.exact``)."""
+    """Outcome reward ``R = 1`` when the response holds an odd number of token 1 (as in
+    ``python -m experiments.exact_table``)."""
     enum = enumerate_policy(policy, keep_scores=True)
     ones = ((enum.tokens == 1).double() * enum.mask).sum(-1)
     return PolicyCase(enum, outcome_rewards(enum, (ones % 2 == 1).double()), True)
@@ -803,7 +804,7 @@ def test_f7_zero_epsilon_with_holes_matches_loop(batch, name, leave_one_out, mul
     if ESTIMATORS[name].granularity == "token":
         flags.update(multi_turn=multi_turn, handle_zero_tail=zero_tail)
     got, _ = compute_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
-    want, _ = reference_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
+    want, _ = oracle_advantages(name, batch.rewards, batch.mask, batch.index, **batch.inputs, **flags)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 

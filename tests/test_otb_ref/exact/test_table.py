@@ -1,4 +1,5 @@
-"""`python -m otb_ref.exact`: the command runs, its committed output is current, and docs/RESULTS.md quotes it.
+"""`python -m experiments.exact_table`: the command runs, its committed output is current, and docs/RESULTS.md
+quotes it.
 
 The default table takes about 6 s on 2 CPU cores (20-30 s on a loaded machine), so the committed
 ``docs/exact_table.md`` is regenerated here with the default settings, not a reduced one.
@@ -22,7 +23,8 @@ QUOTED_UNTIL = "## Results: the paper's claims in training"
 
 def _run(*flags: str, timeout: int = 300) -> str:
     return subprocess.run(
-        [sys.executable, "-m", "otb_ref.exact", *flags],
+        [sys.executable, "-m", "experiments.exact_table", *flags],
+        cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
@@ -47,7 +49,11 @@ def test_exact_table_command():
 
 def test_exact_table_rejects_bad_flags():
     result = subprocess.run(
-        [sys.executable, "-m", "otb_ref.exact", "--vocab", "1"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "experiments.exact_table", "--vocab", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0 and "--vocab" in result.stderr and "Traceback" not in result.stderr
 
@@ -74,7 +80,7 @@ def _without_proxy_section(text: str) -> str:
 
 
 def test_committed_table_is_current(tmp_path):
-    """docs/exact_table.md is exactly what `python -m otb_ref.exact --out docs/exact_table.md` writes now.
+    """docs/exact_table.md is exactly what `python -m experiments.exact_table --out docs/exact_table.md` writes now.
 
     With other torch / transformers versions than the file records, the tiny Qwen2 of the proxy section may be
     initialised differently: then everything but that section must still match, and the test says so.
@@ -82,8 +88,8 @@ def test_committed_table_is_current(tmp_path):
     out_file = tmp_path / "exact_table.md"
     _run("--out", str(out_file), timeout=600)
     fresh, committed = out_file.read_text(encoding="utf-8"), TABLE.read_text(encoding="utf-8")
-    stale = "docs/exact_table.md is stale: run `python -m otb_ref.exact --out docs/exact_table.md`, then re-check the "
-    stale += "numbers quoted in docs/RESULTS.md"
+    stale = "docs/exact_table.md is stale: run `python -m experiments.exact_table --out docs/exact_table.md`, "
+    stale += "then re-check the numbers quoted in docs/RESULTS.md"
     if _versions(fresh) == _versions(committed):
         assert fresh == committed, stale
     else:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 from optional import import_or_skip
-from tiny_models import tiny_causal_lm
 
 from otb_ref import compute_advantages, logprobs_and_sum_pi_squared
+from otb_train.tiny_models import tiny_causal_lm
 
 monkey_patch = import_or_skip(
     "verl.models.transformers.monkey_patch", reason="verl not installed (pip install -e .[verl])"

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from optional import import_or_skip
-from tiny_models import tiny_causal_lm
 
 from otb_ref import ESTIMATORS, compute_advantages, variance_proxy_metrics
+from otb_train.tiny_models import tiny_causal_lm
 
 trainer_base = import_or_skip("verl.trainer.ppo.v1.trainer_base", reason="verl not installed (pip install -e .[verl])")
 

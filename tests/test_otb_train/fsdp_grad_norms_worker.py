@@ -1,8 +1,8 @@
-"""torchrun worker for tests/test_otb_ref/test_grad_norms.py: per-row norms on an FSDP2-sharded policy equal the
+"""torchrun worker for tests/test_otb_train/test_energies.py: per-row norms on an FSDP2-sharded policy equal the
 unsharded ones.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
-        tests/test_otb_ref/fsdp_grad_norms_worker.py OUT.json
+        tests/test_otb_train/fsdp_grad_norms_worker.py OUT.json
 
 Each rank computes ``otb_train.energies.sequence_norms`` on its own rows of one batch, with and without activation
 checkpointing, tied and untied embeddings; rank 0 writes the gathered norms, the unsharded reference and

@@ -1,4 +1,5 @@
-"""Exact variance table: ``python -m otb_ref.exact [--vocab 3] [--horizons 2 3 4 5 6] [--seed 0] [--out FILE]``.
+"""Exact variance table:
+``python -m experiments.exact_table [--vocab 3] [--horizons 2 3 4 5 6] [--seed 0] [--out FILE]``.
 
 For a tabular tree policy and a parameter-shared policy (vocabulary with EOS,
 outcome reward ``R = 1`` when the response holds an odd number of token 1),
@@ -18,7 +19,10 @@ prints, computed exactly by enumeration:
 
 ``--out FILE`` also writes the same text, without the timing line, to ``FILE``
 (the committed copy is ``docs/exact_table.md``, written with the default
-settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date).
+settings; ``tests/test_otb_ref/exact/test_table.py`` checks that it is up to date). It is a measurement, not
+part of the library: it lives with the experiments and imports :mod:`otb_ref` and, for its tiny Qwen2,
+:mod:`otb_train.tiny_models` (run it from the repository root; ``python experiments/exact_table.py`` runs the
+same).
 
 Nothing here is asserted: it is measured. The theorems are in ``proofs/``.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from otb_ref.advantages import ESTIMATORS
+from otb_ref import ESTIMATORS
 from otb_ref.exact.groups import MAX_TUPLES, group_moments
 from otb_ref.exact.moments import POPULATION_ESTIMATORS, estimator_moments, outcome_rewards, population_advantages
 from otb_ref.exact.policies import SharedPolicy, TreePolicy, enumerate_policy
@@ -248,26 +252,15 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def proxy_table(seed: int, batch: int = 16, length: int = 12) -> str:
     """Realized proxy energy W_t vs exact ||S_t||² on a tiny random-init Qwen2 (F6 approximation, measured)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from otb_ref.exact.grad_norms import prefix_grad_norms_sq_fp64
     from otb_ref.proxy import sum_pi_squared, token_energy
+    from otb_train.tiny_models import tiny_causal_lm
 
     rows = []
     for init in (0.02, 0.3, 1.0):
-        torch.manual_seed(seed)
-        config = Qwen2Config(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-            initializer_range=init,
-            tie_word_embeddings=False,
-        )
-        model = Qwen2ForCausalLM(config).double().eval()
+        sizes = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+        model = tiny_causal_lm("qwen2", seed, initializer_range=init, tie_word_embeddings=False, **sizes)
+        model = model.double().eval()
         ids = torch.randint(1, 32, (batch, 2))  # two prompt tokens
         with torch.no_grad():
             for _ in range(length):  # sample responses from the model itself
@@ -358,7 +351,7 @@ def versions(args: argparse.Namespace) -> str:
 def file_text(args: argparse.Namespace, table: str) -> str:
     """What ``--out`` writes: a provenance comment, then the table."""
     return (
-        f"<!-- Written by\n     python -m otb_ref.exact {_settings(args)} --out <this file>\n"
+        f"<!-- Written by\n     python -m experiments.exact_table {_settings(args)} --out <this file>\n"
         f"     with {versions(args)}. Do not edit by hand: regenerate. -->\n\n" + table
     )
 
