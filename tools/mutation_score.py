@@ -346,7 +346,9 @@ def _record(mutation, result, head: str, judged: dict) -> dict:
     """A mutant's record. ``judged``: the tests tree, date and machine of a run made now; a result kept from an
     earlier run (:func:`kept`) carries its own in the note."""
     file = str(mutation.module_path)
-    line = _lines(result.diff or "", "-") or _source(head, file)[mutation.start_pos[0] - 1].strip()
+    source = _source(head, file)  # HEAD's text: a session of older code may name lines HEAD no longer has
+    index = mutation.start_pos[0] - 1
+    line = _lines(result.diff or "", "-") or (source[index].strip() if 0 <= index < len(source) else "")
     if result.worker_outcome == "skipped":
         outcome, note = "left out", result.output
     else:
@@ -370,8 +372,9 @@ def _record(mutation, result, head: str, judged: dict) -> dict:
 
 
 def _source(head: str, file: str, cache: dict = {}) -> list[str]:  # noqa: B006 (a cache on purpose)
-    if (head, file) not in cache:
-        cache[head, file] = git("show", f"{head}:{file}").splitlines()
+    if (head, file) not in cache:  # [] for a file HEAD does not have (removed since the session ran)
+        shown = subprocess.run(["git", "show", f"{head}:{file}"], cwd=ROOT, capture_output=True, text=True)
+        cache[head, file] = shown.stdout.splitlines() if shown.returncode == 0 else []
     return cache[head, file]
 
 

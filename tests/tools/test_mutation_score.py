@@ -206,3 +206,25 @@ def test_the_newest_session_with_shards_gives_the_keys(tmp_path):
     stems = {"exact-aaa-111", "exact-bbb-222", "exact-ccc-333"}
     assert score.newest_sharded_session(stems, tmp_path) == ("bbb", "222")
     assert score.newest_sharded_session({"exact-ccc-333"}, tmp_path) is None
+
+
+def test_a_record_of_older_code_names_no_line_head_lacks():
+    """Merging a session of older code: a mutant whose line HEAD's file no longer has (shorter file, or the file
+    removed) gets an empty "original" instead of stopping the driver; a line HEAD has is read from HEAD."""
+    from types import SimpleNamespace
+
+    def record(file, line):
+        mutation = SimpleNamespace(
+            module_path=file,
+            start_pos=(line, 0),
+            operator_name="core/NumberReplacer",
+            occurrence=0,
+            definition_name=None,
+        )
+        result = SimpleNamespace(diff=None, worker_outcome="normal", output="")
+        return score._record(mutation, result, "HEAD", {})
+
+    assert record("otb_ref/estimators.py", 10**6)["original"] == ""
+    assert record("otb_ref/no_such_module.py", 3)["original"] == ""
+    first = (ROOT / "otb_ref/estimators.py").read_text().splitlines()[0].strip()
+    assert record("otb_ref/estimators.py", 1)["original"] == first
