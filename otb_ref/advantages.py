@@ -121,12 +121,14 @@ class _GroupSums(NamedTuple):
 
 def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
     """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes), with
-    ``x̄ = Σ x / n``. ``B = x̄`` where ``Σ a + ε ≤ 0``; 0 where ``n = 0``. A convex combination of the members'
-    values (THEORY §3)."""
-    mean = torch.where(sums.members > 0, sums.total / sums.members.clamp(min=1), 0.0)  # x̄
+    ``x̄ = Σ x / n`` (0 where ``n = 0``: the sum is then 0). ``B = x̄`` where ``Σ a + ε`` is 0 (every ``a ≥ 0``:
+    only with ``ε = 0``). A convex combination of the members' values (THEORY §3)."""
+    mean = sums.total / sums.members.clamp(min=1)  # x̄
     denominator = sums.weight + epsilon
+    if epsilon > 0:  # Σ a ≥ 0 (a leave-one-out difference too: a rounded sum of terms ≥ 0 is ≥ each of them)
+        return (sums.weighted + epsilon * mean) / denominator
     positive = denominator > 0
-    return torch.where(positive, (sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)
+    return torch.where(positive, sums.weighted / torch.where(positive, denominator, 1.0), mean)
 
 
 def _std_scale(
@@ -395,15 +397,20 @@ def _token_advantages(
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
-    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
-    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    advantages = torch.empty((batch_size, length), dtype=dtype, device=device)
+    returns = torch.empty_like(advantages)
     for block in blocks:
-        advantage, returns_to_go = _token_block(
-            spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon
-        )
-        advantages = _put(advantages, block.rows, advantage, dtype)
-        returns = _put(returns, block.rows, returns_to_go, dtype)
+        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, advantages, returns)
     return advantages, returns
+
+
+def _realized_energy(block: _Block, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``W_t`` [b, T] in ``out`` (fp64): ``Σ_{j≤t} w_j`` zero off the mask, ``||S_t||²`` as given, or 1 while alive."""
+    if block.W is not None:
+        return out.copy_(block.W)  # ||S_t||², checked and zero off the mask
+    if block.w is not None:
+        return out.copy_(block.w).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
+    return out.copy_(mask)  # uniform: W_t = 1 while alive
 
 
 def _token_block(
@@ -414,30 +421,34 @@ def _token_block(
     handle_zero_tail: bool,
     epsilon: float,
     baseline_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[b, T]`` (``_GROUP_DTYPE``) of one block of whole groups."""
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+) -> None:
+    """Advantages and returns of one block of whole groups, into the outputs' rows (rounded there, once)."""
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
-    lengths = block.mask.sum(dim=-1).long()  # generated tokens per row
     mask = block.mask.to(_GROUP_DTYPE)
     G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
-    if block.W is not None:
-        W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
-    elif block.w is not None:
-        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
-    else:
-        W = mask  # uniform: W_t = 1 while alive
+    _put(returns, groups.rows, G, returns.dtype)
+    # each row's terms of its group's sums, side by side so that one call sums them: W G, W, m G
+    terms = G.new_empty((G.shape[0], 3, length))
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
-    m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G)) if multi_turn else (mask, W, G)
-    product = W_s * G_s  # one buffer for both products: Σ W G is summed before m G overwrites it
-    weighted = groups.sum(product)
-    sums = _GroupSums(
-        members=groups.sum(m_s),
-        weighted=weighted,
-        weight=groups.sum(W_s),
-        total=groups.sum(torch.mul(m_s, G_s, out=product)),
-    )  # [g, T]
-    counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
+    if multi_turn:
+        W = _realized_energy(block, mask, torch.empty_like(G))
+        m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G))
+        members = groups.sum(m_s)
+    else:
+        W = _realized_energy(block, mask, terms[:, 1])
+        m_s, W_s, G_s = mask, W, G
+        members = groups.sum(block.mask).to(_GROUP_DTYPE)  # counts: exact in any float dtype
+    torch.mul(W_s, G_s, out=terms[:, 0])
+    if multi_turn:
+        terms[:, 1].copy_(W_s)
+    torch.mul(m_s, G_s, out=terms[:, 2])
+    summed = groups.sum(terms)  # [g, 3, T]
+    sums = _GroupSums(members, weighted=summed[:, 0], weight=summed[:, 1], total=summed[:, 2])  # [g, T]
+    lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
+    counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
     counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway).
@@ -445,10 +456,21 @@ def _token_block(
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
-        others = at.minus(_GroupSums(members=mask, weighted=W * G, weight=W, total=mask * G))
-        baseline = _baseline_from_sums(others, baseline_epsilon) * group_has_baseline[group, None]
+        own = _GroupSums(mask, *terms.unbind(1)) if not multi_turn else _GroupSums(mask, W * G, W, mask * G)
+        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon) * group_has_baseline[group, None]
     else:
         baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
+            target = advantages[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(block.mask)
+            if groups.equal:  # B read from the group's row of sums by broadcasting
+                n = groups.equal
+                torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
+            else:
+                torch.sub(G, baseline_of_group[group], out=target)
+            target.mul_(block.mask)
+            if not isinstance(groups.rows, slice):
+                advantages[groups.rows] = target
+            return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
@@ -458,7 +480,7 @@ def _token_block(
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
         applies = counted & (counts[group] >= 2)
         advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])
-    return advantage, G
+    _put(advantages, groups.rows, advantage, advantages.dtype)
 
 
 # ---------------------------------------------------------------------------
