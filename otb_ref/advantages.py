@@ -287,20 +287,32 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
 def _rows_output(
     num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put`)."""
+    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put_masked`)."""
     return None if num_blocks == 1 else torch.empty(shape, dtype=dtype, device=device)
 
 
-def _put(out: torch.Tensor | None, rows: slice | torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out[rows] = value`` rounded to ``dtype`` once; with one block (``out is None``) the block's value is the
-    output."""
-    if out is None:
-        return value.to(dtype)
+def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
+    """``out[rows] = value``, rounded to ``out``'s dtype once, as it is written."""
     if isinstance(rows, slice):
-        out[rows].copy_(value)  # rounded as it is copied
+        out[rows].copy_(value)
     else:
-        out[rows] = value.to(dtype)
-    return out
+        out[rows] = value.to(out.dtype)
+
+
+def _put_difference(
+    out: torch.Tensor, groups: _GroupBlock, G: torch.Tensor, baseline_of_group: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """``out[rows] = (G − B[group]) m`` [b, T], ``G − B`` rounded once as it is written (``mask`` in ``out``'s
+    dtype); with equal runs of rows ``B`` is broadcast from the group's row, not gathered."""
+    target = out[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(mask)
+    if groups.equal:
+        n, length = groups.equal, G.shape[1]
+        torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
+    else:
+        torch.sub(G, baseline_of_group[groups.group], out=target)
+    target.mul_(mask)
+    if not isinstance(groups.rows, slice):
+        out[groups.rows] = target
 
 
 def _put_masked(out: torch.Tensor | None, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor):
@@ -397,11 +409,13 @@ def _token_advantages(
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
-    advantages = torch.empty((batch_size, length), dtype=dtype, device=device)
-    returns = torch.empty_like(advantages)
+    outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
+    # fp64 rows that every block reuses (no allocator traffic per block): W G, W, m G (summed in one call), m, G
+    workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
     for block in blocks:
-        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, advantages, returns)
-    return advantages, returns
+        work = workspace[: block.group.shape[0]]
+        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, outputs, work)
+    return outputs[0], outputs[1]
 
 
 def _realized_energy(block: _Block, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -421,31 +435,30 @@ def _token_block(
     handle_zero_tail: bool,
     epsilon: float,
     baseline_epsilon: float,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    work: torch.Tensor,
 ) -> None:
-    """Advantages and returns of one block of whole groups, into the outputs' rows (rounded there, once)."""
+    """Advantages and returns of one block of whole groups into ``outputs`` ([B, T] each, rounded there, once);
+    ``work`` [b, 5, T] fp64 scratch."""
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
-    mask = block.mask.to(_GROUP_DTYPE)
-    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
-    _put(returns, groups.rows, G, returns.dtype)
-    # each row's terms of its group's sums, side by side so that one call sums them: W G, W, m G
-    terms = G.new_empty((G.shape[0], 3, length))
+    mask = work[:, 3].copy_(block.mask)
+    G = work[:, 4].copy_(block.rewards.flip(-1)).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
+    _put(outputs[1], groups.rows, G)
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
+    terms = work[:, :3]  # each row's terms of its group's sums: W G, W, m G
     if multi_turn:
         W = _realized_energy(block, mask, torch.empty_like(G))
         m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G))
         members = groups.sum(m_s)
+        terms[:, 1].copy_(W_s)
     else:
-        W = _realized_energy(block, mask, terms[:, 1])
-        m_s, W_s, G_s = mask, W, G
+        m_s, W_s, G_s = mask, _realized_energy(block, mask, terms[:, 1]), G
+        W = W_s
         members = groups.sum(block.mask).to(_GROUP_DTYPE)  # counts: exact in any float dtype
     torch.mul(W_s, G_s, out=terms[:, 0])
-    if multi_turn:
-        terms[:, 1].copy_(W_s)
     torch.mul(m_s, G_s, out=terms[:, 2])
-    summed = groups.sum(terms)  # [g, 3, T]
+    summed = groups.sum(terms)  # [g, 3, T], one call
     sums = _GroupSums(members, weighted=summed[:, 0], weight=summed[:, 1], total=summed[:, 2])  # [g, T]
     lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
     counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
@@ -461,15 +474,7 @@ def _token_block(
     else:
         baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
-            target = advantages[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(block.mask)
-            if groups.equal:  # B read from the group's row of sums by broadcasting
-                n = groups.equal
-                torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
-            else:
-                torch.sub(G, baseline_of_group[group], out=target)
-            target.mul_(block.mask)
-            if not isinstance(groups.rows, slice):
-                advantages[groups.rows] = target
+            _put_difference(outputs[0], groups, G, baseline_of_group, block.mask)
             return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
@@ -480,7 +485,7 @@ def _token_block(
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
         applies = counted & (counts[group] >= 2)
         advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])
-    _put(advantages, groups.rows, advantage, advantages.dtype)
+    _put(outputs[0], groups.rows, advantage)
 
 
 # ---------------------------------------------------------------------------
