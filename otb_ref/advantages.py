@@ -368,27 +368,29 @@ def _sequence_advantages(
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
     advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
     returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    # fp64 rows that every block reuses (no allocator traffic per block)
+    workspace = torch.empty((max(b.group.shape[0] for b in blocks), length), dtype=_GROUP_DTYPE, device=device)
     for groups in blocks:
-        block = _read_block(spec, inputs, groups.rows)
-        rewards = block.rewards.flip(-1)  # R = G_0 [b], summed from the end (as G_t: ties stay exact)
-        R = rewards.to(_GROUP_DTYPE).cumsum_(-1)[:, -1] if length else rewards.sum(-1, dtype=_GROUP_DTYPE)
+        block, work = _read_block(spec, inputs, groups.rows), workspace[: groups.group.shape[0]]
+        # R = G_0 [b], summed from the end (as G_t: ties stay exact)
+        R = work.copy_(block.rewards.flip(-1)).cumsum_(-1)[:, -1].clone() if length else work.sum(-1)
         if block.norms is not None:
             v = block.norms.to(_GROUP_DTYPE)  # v = ||S||²
         elif block.w is not None:
-            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t
+            v = work.copy_(block.w).sum(dim=-1)  # v = Σ_t w_t
         else:
             v = torch.ones_like(R)  # uniform: 1
-        group, ones = groups.group, torch.ones_like(R)
-        own = _GroupSums(members=ones, weighted=v * R, weight=v, total=R)  # each row's own terms [b]
-        sums = _GroupSums(*(_segment_sum(x, group, groups.size) for x in own))  # [g]
-        at = _GroupSums(*(s[group] for s in sums))  # each row's group's sums [b]
+        own = torch.stack([torch.ones_like(R), v * R, v, R], dim=1)  # each row's own terms [b, 4]
+        sums = _GroupSums(*_segment_sum(own, groups.group, groups.size).unbind(1))  # [g]
+        at = _GroupSums(*(s[groups.group] for s in sums))  # each row's group's sums [b]
         if spec.leave_one_out:
-            at = at.minus(own)
-        in_group = sums.members[group] >= 2  # [b]
+            at = at.minus(_GroupSums(*own.unbind(1)))
+        in_group = sums.members[groups.group] >= 2  # [b]
         advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
-            advantage = advantage * _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, per_coordinate)
+            alive = torch.ones_like(R)[:, None]
+            advantage = advantage * _std_scale(R[:, None], alive, groups, in_group, epsilon, per_coordinate)
         advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
         returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
