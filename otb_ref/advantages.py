@@ -127,17 +127,11 @@ def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
     denominator = sums.weight + epsilon
     if epsilon > 0:  # Σ a ≥ 0 (a leave-one-out difference too: a rounded sum of terms ≥ 0 is ≥ each of them)
         return (sums.weighted + epsilon * mean) / denominator
-    positive = denominator > 0
-    return torch.where(positive, sums.weighted / torch.where(positive, denominator, 1.0), mean)
+    return torch.where(denominator > 0, sums.weighted / denominator, mean)  # (0/0 where it is not taken)
 
 
 def _std_scale(
-    centred: torch.Tensor,
-    alive: torch.Tensor,
-    groups: _GroupBlock,
-    applies: torch.Tensor,
-    epsilon: float,
-    sums: _GroupSums,
+    centred: torch.Tensor, alive: torch.Tensor, groups: _GroupBlock, epsilon: float, sums: _GroupSums
 ) -> torch.Tensor:
     """``[b]`` factor ``1/(σ_g + ε)`` of std scaling (fp64), σ_g the group's pooled within-position unbiased std of
     what its baseline centres (``R`` [b, 1], or ``G_t`` [b, T]) over its ``alive`` entries (0/1, fp64), from the
@@ -145,20 +139,20 @@ def _std_scale(
 
         σ_g² = Σ_p Σ_{j ∈ g} a_jp (x_jp − x̄_gp)² / Σ_p (n_gp − 1)₊,   x̄_gp = total / members (0 where no member).
 
-    1 where it does not ``apply`` [b], or the group's alive values are equal at every position (zero spread,
-    decided exactly by max > min: no division of an ε residue by ε)."""
+    1 where the group's alive values are equal at every position (zero spread, decided exactly by max > min: no
+    division of an ε residue by ε); a group of one alive row has none, and a row with nothing alive has advantage 0."""
     group, members = groups.group, sums.members
-    mean = torch.where(members > 0, sums.total / members.clamp(min=1), 0.0)  # x̄_gp
+    mean = sums.total / members.clamp(min=1)  # x̄_gp (0 where no member: the total is then 0)
     deviations = groups.sum(alive * (centred - mean[group]).square()).sum(-1)  # [g]
     dof = (members - 1).clamp(min=0).sum(-1)  # Σ_p (n_gp − 1)₊
-    sd = torch.where(dof > 0, deviations / dof.clamp(min=1), 0.0).sqrt()[group] + epsilon
+    sd = (deviations / dof.clamp(min=1)).sqrt()[group] + epsilon  # (no degree of freedom: no deviation either)
     live, rows = alive > 0, group[:, None].expand_as(centred)
     highest = centred.new_full(members.shape, -math.inf).scatter_reduce_(
         0, rows, centred.where(live, -math.inf), "amax"
     )
     lowest = centred.new_full(members.shape, math.inf).scatter_reduce_(0, rows, centred.where(live, math.inf), "amin")
     spread = (highest > lowest).any(-1)[group]
-    return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
+    return torch.where(spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
 
 
 def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
@@ -390,7 +384,7 @@ def _sequence_advantages(
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
             alive = torch.ones_like(R)[:, None]
-            advantage = advantage * _std_scale(R[:, None], alive, groups, in_group, epsilon, per_coordinate)
+            advantage = advantage * _std_scale(R[:, None], alive, groups, epsilon, per_coordinate)
         advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
         returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
@@ -485,8 +479,7 @@ def _token_block(
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
-        applies = counted & (counts[group] >= 2)
-        advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])
+        advantage.mul_(_std_scale(G_s, m_s, groups, epsilon, sums)[:, None])
     _put(outputs[0], groups.rows, advantage)
 
 
