@@ -91,3 +91,22 @@ def test_advantages_vs_commit_refuses_a_worker_env_without_a_value():
         timeout=60,
     )
     assert out.returncode == 2 and "--worker-env: expected NAME=VALUE" in out.stderr
+
+
+def test_advantages_op_count_counts_both_trees():
+    """`benchmarks/advantages_op_count.py` counts one call's torch operations in each tree (here both HEAD: equal)."""
+    import pytest
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("no git history: the script extracts the base commit's otb_ref with git archive")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "advantages_op_count.py"), "--base=HEAD", "--shape=512,512,8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    base, head = (json.loads(line) for line in out.stdout.splitlines())
+    assert (base["tree"], head["tree"]) == ("base", "head")
+    assert base["operations"] == head["operations"] > 0 and base["blocks"] == head["blocks"] >= 2
+    assert 0 < head["block_passes"] < head["operations"]
