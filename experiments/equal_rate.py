@@ -28,10 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import variance_lr
-import variance_lr_pilot as pilot
-
-from common import CODE_AT_START, code_text, write_report
+from common import CODE_AT_START, code_text, variance_rule, variance_runs, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE = ROOT / "results" / "equal_rate" / "RULE.md"
@@ -41,7 +38,7 @@ GROUP_SIZES = (4, 16)
 PRIMARY_LRS = (3e-4,)
 SECONDARY_LRS = (1e-3,)
 SEEDS = 10
-STEPS = pilot.STEPS
+STEPS = variance_runs.STEPS
 ALPHA = 0.05
 MATCH_TOLERANCE = 0.05  # a cell's measured step-size ratio otb_loo / rloo_matched outside 1 ± this is labelled
 QUICK = {"group_sizes": (2,), "lrs": (1e-3,), "seeds": 2, "steps": 2, "ratio": 1.5}
@@ -94,15 +91,15 @@ def seeds_from(commit: str, count: int = SEEDS) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def update_ratio(records_dir: Path, n: int, lr: float, seeds=variance_lr.SELECTION_SEEDS) -> float:
+def update_ratio(records_dir: Path, n: int, lr: float, seeds=variance_rule.SELECTION_SEEDS) -> float:
     """r at (N, lr), issue 28's column "median ‖Δθ‖ ratio otb_loo / rloo": the mean over its selection seeds of
     median ‖Δθ‖ (all 150 steps) of otb_loo over that of rloo, paired by seed; rounded to 3 decimals."""
-    by_cell = variance_lr.cells(pilot.load_runs(records_dir))
+    by_cell = variance_rule.cells(variance_runs.load_runs(records_dir))
     a, b = by_cell.get(("otb_loo", n, lr), {}), by_cell.get(("rloo", n, lr), {})
     missing = [s for s in seeds if s not in a or s not in b]
     if missing:
         raise ValueError(f"records_dir: issue 28's records at N = {n}, lr {lr:g} lack seeds {missing}")
-    ratios = [variance_lr.median_step(a[s]) / variance_lr.median_step(b[s]) for s in seeds]
+    ratios = [variance_rule.median_step(a[s]) / variance_rule.median_step(b[s]) for s in seeds]
     return round(statistics.mean(ratios), 3)
 
 
@@ -179,17 +176,17 @@ def cell(by_cell: dict, n: int, lr: float, seeds: list[int]) -> dict:
     per = {
         key: {arm: {s: fn(runs[arm][s]) for s in both} for arm in ARMS}
         for key, fn in (
-            ("M", lambda r: pilot.reward_per_token(r["rows"])),
-            ("final", lambda r: pilot.final_reward(r["rows"])),
-            ("collapsed", variance_lr.collapsed),
-            ("step", variance_lr.median_step),
+            ("M", lambda r: variance_runs.reward_per_token(r["rows"])),
+            ("final", lambda r: variance_runs.final_reward(r["rows"])),
+            ("collapsed", variance_rule.collapsed),
+            ("step", variance_rule.median_step),
         )
     }
     m = per["M"]
     contrasts = {
-        "otb_loo − rloo_matched": variance_lr.paired(m["otb_loo"], m["rloo_matched"]),
-        "otb_loo − rloo": variance_lr.paired(m["otb_loo"], m["rloo"]),
-        "rloo_matched − rloo": variance_lr.paired(m["rloo_matched"], m["rloo"]),
+        "otb_loo − rloo_matched": variance_rule.paired(m["otb_loo"], m["rloo_matched"]),
+        "otb_loo − rloo": variance_rule.paired(m["otb_loo"], m["rloo"]),
+        "rloo_matched − rloo": variance_rule.paired(m["rloo_matched"], m["rloo"]),
     }
     diffs = contrasts["otb_loo − rloo_matched"]["diffs"]
     steps = per["step"]
@@ -227,7 +224,7 @@ def verdict(primary: list[dict], alpha: float = ALPHA) -> str:
         key, d = (c["n"], c["lr"]), c["contrasts"]["otb_loo − rloo_matched"]
         label = "" if abs(c["step_ratio"] - 1) <= MATCH_TOLERANCE else " (step sizes not matched within 5%)"
         parts.append(
-            f"N = {c['n']}, lr {c['lr']:g}: d(M) = otb_loo − rloo_matched = {variance_lr.interval_text(d)}, "
+            f"N = {c['n']}, lr {c['lr']:g}: d(M) = otb_loo − rloo_matched = {variance_rule.interval_text(d)}, "
             f"sign-flip p = {c['p_otb']:.4f} (Holm {p_otb[key]:.4f}), reverse p = {c['p_rloo']:.4f} "
             f"(Holm {p_rloo[key]:.4f}); step-size ratio otb_loo / rloo_matched {c['step_ratio']:.3f}{label}"
         )
@@ -247,9 +244,9 @@ def cell_lines(c: dict, ratio: float) -> list[str]:
     for arm in ARMS:
         per = {key: list(c["per"][key][arm].values()) for key in c["per"]}
         lines.append(
-            f"| {arm} | {arm_lr(arm, c['lr'], ratio):g} | {variance_lr._mean_sd(per['M'])} | "
-            f"{variance_lr._mean_sd(per['final'], 3)} | {sum(per['collapsed'])}/{len(per['collapsed'])} | "
-            f"{variance_lr._mean_sd(per['step'], 4)} |"
+            f"| {arm} | {arm_lr(arm, c['lr'], ratio):g} | {variance_rule.mean_sd(per['M'])} | "
+            f"{variance_rule.mean_sd(per['final'], 3)} | {sum(per['collapsed'])}/{len(per['collapsed'])} | "
+            f"{variance_rule.mean_sd(per['step'], 4)} |"
         )
     lines += [
         "",
@@ -257,7 +254,7 @@ def cell_lines(c: dict, ratio: float) -> list[str]:
         "|---|---|---|",
     ]
     for name, d in c["contrasts"].items():
-        lines.append(f"| {name} | {variance_lr.interval_text(d)} | {sign_flip_p(d['diffs']):.4f} |")
+        lines.append(f"| {name} | {variance_rule.interval_text(d)} | {sign_flip_p(d['diffs']):.4f} |")
     lines += [
         "",
         f"Step-size ratio (mean over seeds of median ‖Δθ‖ ratios): otb_loo / rloo_matched {c['step_ratio']:.3f}, "
@@ -270,9 +267,9 @@ def cell_lines(c: dict, ratio: float) -> list[str]:
 
 def report(args, commit: str | None, seeds: list[int], ratios: dict, lrs, group_sizes, seconds: float) -> Path:
     records_dir = args.out_dir / "equal_rate"
-    runs = pilot.load_runs(records_dir) if records_dir.exists() else []
+    runs = variance_runs.load_runs(records_dir) if records_dir.exists() else []
     excluded = {r["name"]: why for r in runs if (why := admissible(r, commit))}
-    by_cell = variance_lr.cells([r for r in runs if r["name"] not in excluded])
+    by_cell = variance_rule.cells([r for r in runs if r["name"] not in excluded])
     primary = [cell(by_cell, n, lr, seeds) for lr in lrs[0] for n in group_sizes]
     secondary = [cell(by_cell, n, lr, seeds) for lr in lrs[1] for n in group_sizes]
     sections = [
@@ -331,11 +328,11 @@ def plan(args, commit: str | None, seeds: list[int], ratios: dict, lrs, group_si
 def run(args, item: tuple, commit: str | None, ratio: float) -> Path:
     arm, n, lr, seed = item
     name, rate, begun = run_name(*item), arm_lr(arm, lr, ratio), time.perf_counter()
-    flags = pilot.run_flags(args.task, "rloo" if arm == "rloo_matched" else arm, n, rate)
-    out = pilot.run_one(name, flags, seed, args.steps, args.warm, args.runs_dir, (), in_process=args.quick)
+    flags = variance_runs.run_flags(args.task, "rloo" if arm == "rloo_matched" else arm, n, rate)
+    out = variance_runs.run_one(name, flags, seed, args.steps, args.warm, args.runs_dir, (), in_process=args.quick)
     meta = {"name": name, "arm": arm, "group_size": n, "lr": lr, "arm_lr": rate, "ratio": ratio, "seed": seed,
             "flags": flags, "rule_commit": commit, "code": CODE_AT_START}  # fmt: skip
-    path = pilot.write_run_record(meta, out, time.perf_counter() - begun, args.out_dir / "equal_rate")
+    path = variance_runs.write_run_record(meta, out, time.perf_counter() - begun, args.out_dir / "equal_rate")
     print(f"{time.strftime('%H:%M:%S')} {name}: {round(time.perf_counter() - begun)} s", flush=True)
     return path
 
@@ -356,17 +353,17 @@ def main(argv: list[str] | None = None) -> Path:
         commit, seeds, group_sizes = None, seeds_from("quick", QUICK["seeds"]), QUICK["group_sizes"]
         lrs = (QUICK["lrs"], ())
         ratios = {(n, lr): QUICK["ratio"] for n in group_sizes for lr in QUICK["lrs"]}
-        args.task, args.steps = ["--task", "copy", *pilot.QUICK_TASK[2:]], QUICK["steps"]
+        args.task, args.steps = ["--task", "copy", *variance_runs.QUICK_TASK[2:]], QUICK["steps"]
         args.warm = args.runs_dir / "warm_start"
     else:
         commit = rule_commit(args.rule)
         seeds, group_sizes, lrs = seeds_from(commit), GROUP_SIZES, (PRIMARY_LRS, SECONDARY_LRS)
         ratios = {(n, lr): update_ratio(args.issue_28, n, lr) for lr in (*lrs[0], *lrs[1]) for n in group_sizes}
-        args.task, args.steps, args.warm = pilot.TASK, STEPS, ROOT / "results" / "variance_lr_warm_start"
+        args.task, args.steps, args.warm = variance_runs.TASK, STEPS, ROOT / "results" / "variance_lr_warm_start"
     if not args.report_only:
         todo = plan(args, commit, seeds, ratios, lrs, group_sizes)[: args.max_runs]
         if todo:
-            pilot.ensure_warm_start(args.warm, args.quick)
+            variance_runs.ensure_warm_start(args.warm, args.quick)
         for item in todo:
             run(args, item, commit, ratios[(item[1], item[2])])
     return report(args, commit, seeds, ratios, lrs, group_sizes, time.perf_counter() - started)

@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import snapshots
 import torch
 import transformers
 
-from common import RESULTS, new_figure, write_records, write_report
+from common import RESULTS, new_figure, snapshots, write_records, write_report
 from otb_ref.proxy import token_energy
 from otb_train.energies import exact_energies
 from otb_train.model import Policy

@@ -3,7 +3,7 @@
     python experiments/readings.py          # reads results/{reproduction,stability,stability_long}/ (seconds)
 
 No training: every number comes from the committed per-run records, through the experiments' own helpers
-(``reproduction.analyse``, ``common.collapse``, ``stability_long.spikes``), and from the built-in model of
+(``reproduction_rule.analyse``, ``common.collapse``, ``stability_long_rule.spikes``), and from the built-in model of
 ``otb_train`` for the parameter counts. Writes ``results/readings.json`` (every number) and ``results/readings.md``
 (the same as tables). The choices made here, stated once:
 
@@ -33,14 +33,21 @@ import statistics
 import time
 from pathlib import Path
 
-import reproduction
-import stability
-import stability_long
-import variance_lr
-import variance_lr_pilot
+from common import (
+    RESULTS,
+    collapse,
+    command_line,
+    compact,
+    load_records,
+    reproduction_rule,
+    stability_long_rule,
+    variance_rule,
+    variance_runs,
+    write_report,
+)
 
-from common import RESULTS, collapse, command_line, compact, load_records, write_report
-
+# experiments/stability.py's arms in its order (only their names are read here; a test keeps the two equal)
+STABILITY_ARMS = ("grpo_n8", "rloo_n8", "otb_n8", "grpo_n32", "otb_n32")
 WIDTHS = {64: "snapshots (gradient_variance, proxy_fidelity) and train.py's default", 128: "warm_start.py's default"}
 
 
@@ -53,36 +60,36 @@ def permutation_p(first: list[float], second: list[float]) -> float:
     return extreme / len(splits)
 
 
-sign_flip_p = variance_lr.sign_flip_p  # exact two-sided sign-flip permutation p of the mean of paired differences
+sign_flip_p = variance_rule.sign_flip_p  # exact two-sided sign-flip permutation p of the mean of paired differences
 
 
 def variance_lr_readings(records_dir: Path) -> dict:
     """At each N: the test seeds' paired d(M) at the selected rates with its sign-flip p, collapses per arm, and at
     every rate of the grid the selection seeds' paired d(M) (equal rate) with the ratio of median update norms."""
-    by_cell = variance_lr.cells(variance_lr_pilot.load_runs(records_dir))
-    lrs, selection, test = variance_lr.LRS, variance_lr.SELECTION_SEEDS, variance_lr.TEST_SEEDS
+    by_cell = variance_rule.cells(variance_runs.load_runs(records_dir))
+    lrs, selection, test = variance_rule.LRS, variance_rule.SELECTION_SEEDS, variance_rule.TEST_SEEDS
     out = {}
-    for n in variance_lr.GROUP_SIZES:
-        comparison = variance_lr.test_comparison(by_cell, n, lrs, selection, test)
+    for n in variance_rule.GROUP_SIZES:
+        comparison = variance_rule.test_comparison(by_cell, n, lrs, selection, test)
         if "d_metric" not in comparison:
             continue
         chosen, d = comparison["chosen"], comparison["d_metric"]
         collapsed = {
-            arm: sum(variance_lr.collapsed(by_cell[(arm, n, lr)][s]) for s in test) for arm, lr in chosen.items()
+            arm: sum(variance_rule.collapsed(by_cell[(arm, n, lr)][s]) for s in test) for arm, lr in chosen.items()
         }
         equal_rate = {}
         for lr in lrs:
             a, b = by_cell.get(("otb_loo", n, lr), {}), by_cell.get(("rloo", n, lr), {})
             both = [s for s in selection if s in a and s in b]
-            diffs = [variance_lr_pilot.reward_per_token(a[s]["rows"]) - variance_lr_pilot.reward_per_token(b[s]["rows"])
+            diffs = [variance_runs.reward_per_token(a[s]["rows"]) - variance_runs.reward_per_token(b[s]["rows"])
                      for s in both]  # fmt: skip
-            ratio = statistics.mean(variance_lr.median_step(a[s]) / variance_lr.median_step(b[s]) for s in both)
-            fallen = [sum(variance_lr.collapsed(c[s]) for s in both) for c in (a, b)]
+            ratio = statistics.mean(variance_rule.median_step(a[s]) / variance_rule.median_step(b[s]) for s in both)
+            fallen = [sum(variance_rule.collapsed(c[s]) for s in both) for c in (a, b)]
             equal_rate[f"{lr:g}"] = {"d_metric": diffs, "sign_flip_p": sign_flip_p(diffs), "step_ratio": ratio,
                                      "collapsed": fallen}  # fmt: skip
         out[str(n)] = {
             "chosen": chosen,
-            "rule": variance_lr.decide(d["diffs"], variance_lr.DELTA),
+            "rule": variance_rule.decide(d["diffs"], variance_rule.DELTA),
             "d_metric": d["diffs"],
             "d_metric_interval": [d["mean"], d["low"], d["high"]],
             "sign_flip_p": sign_flip_p(d["diffs"]),
@@ -108,15 +115,15 @@ def pilot_ratios(pilot_dir: Path, snr_gap_file: Path) -> dict:
     return {
         "otb_over_rloo": [snr(r, "otb") / snr(r, "rloo") for r in records],
         "otb_over_grpo": [snr(r, "otb") / snr(r, "grpo") for r in records],
-        "contrast_pilot": variance_lr_pilot.contrasts(records)[4],
+        "contrast_pilot": variance_runs.contrasts(records)[4],
         "pilot_prompts": records[0]["prompts"], "pilot_seeds": len(records),
         "contrast_snr_gap": gap_snr["otb_loo"] / gap_snr["rloo"], "snr_gap_prompts": gap["prompts"],
     }  # fmt: skip
 
 
 def variance_lr_dependence(records_dir: Path) -> dict:
-    """variance_lr.dependence on the committed records, with JSON keys (issue 38)."""
-    dep = variance_lr.dependence(variance_lr.cells(variance_lr_pilot.load_runs(records_dir)))
+    """variance_rule.dependence on the committed records, with JSON keys (issue 38)."""
+    dep = variance_rule.dependence(variance_rule.cells(variance_runs.load_runs(records_dir)))
     dep["windows"] = {
         f"{n} {lr:g}": {f"{a}-{b}": r for (a, b), r in ws.items()} for (n, lr), ws in dep["windows"].items()
     }
@@ -133,7 +140,7 @@ def _by_seed(runs: dict[int, list[dict]]) -> list[list[dict]]:
 
 def stability_long_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     """Update KL, spikes (committed rule and a shared threshold), their test, and rewards per arm."""
-    arms = list(stability_long.ARMS)
+    arms = list(stability_long_rule.ARMS)
     runs = {arm: _by_seed(by_arm[arm]) for arm in arms}
     medians = {arm: [statistics.median(_kls(rows)) for rows in runs[arm]] for arm in arms}
     pooled = {arm: statistics.median(k for rows in runs[arm] for k in _kls(rows)) for arm in arms}
@@ -148,24 +155,26 @@ def stability_long_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     }
     arm_means = lambda group: statistics.mean(m for arm in group for m in medians[arm])  # noqa: E731
     # The committed rule: each run's own median.
-    spikes = {arm: [stability_long.spikes(rows) for rows in runs[arm]] for arm in arms}
+    spikes = {arm: [stability_long_rule.spikes(rows) for rows in runs[arm]] for arm in arms}
     spike_steps = {
-        arm: [[r["step"] for r in rows if r["approx_kl"] is not None and r["approx_kl"] > stability_long.SPIKE * m]
+        arm: [[r["step"] for r in rows if r["approx_kl"] is not None and r["approx_kl"] > stability_long_rule.SPIKE * m]
               for rows, m in zip(runs[arm], medians[arm])]
         for arm in arms
     }  # fmt: skip
     # One shared absolute threshold for every run.
-    threshold = stability_long.SPIKE * statistics.median(k for arm in arms for rows in runs[arm] for k in _kls(rows))
+    threshold = stability_long_rule.SPIKE * statistics.median(
+        k for arm in arms for rows in runs[arm] for k in _kls(rows)
+    )
     shared = {arm: [sum(k > threshold for k in _kls(rows)) for rows in runs[arm]] for arm in arms}
     group = lambda counts, arms_: [c for arm in arms_ for c in counts[arm]]  # noqa: E731
-    mean_baseline, otb_arms = stability_long.MEAN_BASELINE, stability_long.OTB
+    mean_baseline, otb_arms = stability_long_rule.MEAN_BASELINE, stability_long_rule.OTB
     states = {arm: [collapse(rows) for rows in runs[arm]] for arm in arms}
     largest = sorted(((max(_kls(rows)), arm, seed) for arm in arms for seed, rows in enumerate(runs[arm])),
                      reverse=True)[:2]  # fmt: skip
     ends = {arm: [s["end"] for s in states[arm]] for arm in arms}
     gains = {arm: [s["end"] - s["start"] for s in states[arm]] for arm in arms}
     return {
-        "committed_reading": stability_long.reading(by_arm),
+        "committed_reading": stability_long_rule.reading(by_arm),
         "run_median_kl": medians,
         "run_median_kl_range": [min(min(m) for m in medians.values()), max(max(m) for m in medians.values())],
         "kl_ratio_otb_to_grpo": ratio,
@@ -203,7 +212,7 @@ def stability_long_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
 
 def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     """Where each run's largest update is, how large step 1 was against its gradient norm, and collapse steps."""
-    runs = {arm: _by_seed(by_arm[arm]) for arm in stability.ARMS}
+    runs = {arm: _by_seed(by_arm[arm]) for arm in STABILITY_ARMS}
     largest_step = {
         arm: [max(rows, key=lambda r: r["update_norm"])["step"] for rows in per] for arm, per in runs.items()
     }
@@ -227,11 +236,16 @@ def stability_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
 
 def reproduction_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
     """The verdict's savings, and the saving of an N = 4 arm that reaches tau - delta only at its last step."""
-    analysis = reproduction.analyse(by_arm)
+    analysis = reproduction_rule.analyse(by_arm)
     reference = [tokens for tokens, _ in analysis["hits"]["grpo_n32"].values()]
     n4 = [arm for arm in by_arm if arm != "grpo_n32"]
     most = max(rows[-1]["tokens"] for arm in n4 for rows in by_arm[arm].values())
-    cap = reproduction.STEPS * 4 * 4 * int(reproduction.TASK[reproduction.TASK.index("--max-new-tokens") + 1])
+    cap = (
+        reproduction_rule.STEPS
+        * 4
+        * 4
+        * int(reproduction_rule.TASK[reproduction_rule.TASK.index("--max-new-tokens") + 1])
+    )
     seeds = len(reference)
     return {
         "tau": analysis["tau"],
@@ -239,9 +253,9 @@ def reproduction_readings(by_arm: dict[str, dict[int, list[dict]]]) -> dict:
         "reached": {arm: sum(r for _, r in hits.values()) for arm, hits in analysis["hits"].items()},
         "savings": analysis["savings"],
         "most_tokens_of_an_n4_run": most,
-        "saving_if_reached_at_last_step": reproduction.saving_interval([most] * seeds, reference),
+        "saving_if_reached_at_last_step": reproduction_rule.saving_interval([most] * seeds, reference),
         "n4_token_cap": cap,
-        "saving_at_token_cap": reproduction.saving_interval([cap] * seeds, reference),
+        "saving_at_token_cap": reproduction_rule.saving_interval([cap] * seeds, reference),
     }
 
 
@@ -302,7 +316,7 @@ def report(data: dict) -> list[str]:
         f"spikes, shared threshold {long['shared_threshold']:.2g} |",
         "|---|---|---|---|---|---|",
     ]
-    for arm in stability_long.ARMS:
+    for arm in stability_long_rule.ARMS:
         lines.append(
             f"| {arm} | {long['step_1_reward'][arm]:.3f}, {long['start_reward'][arm]:.3f} → "
             f"{long['end_reward'][arm]:.3f} | "
@@ -344,14 +358,15 @@ def report(data: dict) -> list[str]:
         "## reproduction (records in `reproduction/`)",
         "",
         f"- τ = {repro['tau']:.3f}, τ − δ = {repro['target']:.3f}; savings: "
-        + "; ".join(f"{arm} {reproduction.saving_text(*s)}" for arm, s in repro["savings"].items())
+        + "; ".join(f"{arm} {reproduction_rule.saving_text(*s)}" for arm, s in repro["savings"].items())
         + ".",
-        f"- An N = 4 run generated at most {repro['most_tokens_of_an_n4_run']} tokens in {reproduction.STEPS} steps; "
+        f"- An N = 4 run generated at most {repro['most_tokens_of_an_n4_run']} tokens in "
+        f"{reproduction_rule.STEPS} steps; "
         f"reaching τ − δ only then, in every seed, would save "
-        f"{reproduction.saving_text(*repro['saving_if_reached_at_last_step'])} (3 decimals: "
+        f"{reproduction_rule.saving_text(*repro['saving_if_reached_at_last_step'])} (3 decimals: "
         f"{_list(repro['saving_if_reached_at_last_step'], '.3f')}). At the cap of {repro['n4_token_cap']} tokens "
-        f"({reproduction.STEPS} steps × 16 responses × 96 new tokens): "
-        f"{reproduction.saving_text(*repro['saving_at_token_cap'])}.",
+        f"({reproduction_rule.STEPS} steps × 16 responses × 96 new tokens): "
+        f"{reproduction_rule.saving_text(*repro['saving_at_token_cap'])}.",
         "",
         "## variance_lr (records in `variance_lr/`): otb_loo − rloo, M = reward per generated token",
         "",
@@ -386,7 +401,7 @@ def report(data: dict) -> list[str]:
         f"OTB / GRPO {_list(pilot['otb_over_grpo'], '.1f')}. Contrast otb_loo / rloo at N = 4: "
         f"{pilot['contrast_pilot']:.2f} (ratio of the seed means) in the pilot, {pilot['contrast_snr_gap']:.2f} in "
         f"`snr_gap/copy16_24.json` ({pilot['snr_gap_prompts']} prompts; the pilot's label threshold is "
-        f"{variance_lr_pilot.CONTRAST}).",
+        f"{variance_runs.CONTRAST}).",
         "",
         "## run time (summed over each experiment's per-run records)",
         "",

@@ -35,11 +35,9 @@ import math
 import time
 from pathlib import Path
 
-import gradient_variance
 import torch
-import variance_lr_pilot as pilot
 
-from common import commit, machine_name, read_code_state, write_report
+from common import commit, gradients, machine_name, read_code_state, write_report
 from otb_train.warm_start import main as train_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,13 +145,13 @@ def directional_statistics(grads: torch.Tensor, sizes, bootstrap: int = 2000, se
     the largest N; and the noise of ∇J's estimate (tr Cov / R / ‖∇J‖²)."""
     names, r = list(ESTIMATORS), len(grads)
     reference = (names.index("rloo"), len(sizes) - 1)
-    own, cross = gradient_variance.gram_matrices(grads, reference)
+    own, cross = gradients.gram_matrices(grads, reference)
     draws = torch.randint(r, (bootstrap, r), generator=torch.Generator().manual_seed(seed))
     weights = torch.zeros(bootstrap, r, dtype=torch.float64).scatter_add_(
         1, draws, torch.ones(bootstrap, r, dtype=torch.float64)
     )
-    point = gradient_variance.statistics(own, cross, reference, torch.ones(1, r, dtype=torch.float64))
-    boot = gradient_variance.statistics(own, cross, reference, weights)
+    point = gradients.statistics(own, cross, reference, torch.ones(1, r, dtype=torch.float64))
+    boot = gradients.statistics(own, cross, reference, weights)
     levels = torch.tensor([0.05, 0.95], dtype=torch.float64)
     out = {}
     for key in ("snr_par", "mse_rel", "cosine"):
@@ -161,7 +159,7 @@ def directional_statistics(grads: torch.Tensor, sizes, bootstrap: int = 2000, se
     grpo, otb = names.index("grpo"), names.index("otb")
 
     def n_star(snr):  # [S, E, N] -> [S]
-        return gradient_variance.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
+        return gradients.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
 
     boot_star = n_star(boot["snr_par"])
     finite = boot_star[boot_star.isfinite()]
@@ -202,17 +200,17 @@ def measure(name: str, setting, warm: Path, prompts: int, replicates: int, sizes
         problems = [
             synthetic_problem("copy_exact", PROMPT_SEED, first + i, copy_lengths=lengths) for i in range(prompts)
         ]
-        sample = gradient_variance.sample_batch(lm, problems, max(sizes), replicate + 1, max_new, PROMPT_SEED, reward)
+        sample = gradients.sample_batch(lm, problems, max(sizes), replicate + 1, max_new, PROMPT_SEED, reward)
         if options.get("reward") == "prefix":
             rescore_prefix(sample, problems)
         grads.append(batch_gradients(lm, sample, sizes, options.get("normalisation") == "per_response"))
         rewards.append(float(sample.rewards.sum() / len(sample.mask)))
-    stats = pilot.snr_statistics(torch.stack(grads))
+    stats = gradients.snr_statistics(torch.stack(grads))
     names = list(ESTIMATORS)
     grpo, otb = names.index("grpo"), names.index("otb")
 
     def n_star(snr):  # [S, E, N] -> [S]: N at which otb reaches grpo's SNR at the largest N
-        return gradient_variance.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
+        return gradients.crossing(snr[:, otb], snr[:, grpo, -1], list(sizes))
 
     point = n_star(stats["snr"][None])[0]
     boot = n_star(stats["boot_snr"])

@@ -47,7 +47,6 @@ reads only those, so a later session resumes where one stopped (``--commit`` com
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -55,102 +54,60 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import variance_lr_pilot as pilot
-
 from common import commit, machine_name, write_report
+from common.variance_rule import (
+    DELTA,
+    LRS,
+    SELECTION_SEEDS,
+    STABLE_LRS,
+    TEST_SEEDS,
+    WINDOWS,
+    K,
+    cells,
+    collapsed,
+    decide,
+    dependence,
+    interval_text,
+    mean_sd,
+    median_step,
+    paired,
+    select,
+    sign_flip_p,
+    test_comparison,
+)
+from common.variance_runs import (
+    AIM_STEPS,
+    ARMS,
+    COMMON,
+    CONTRAST,
+    GROUP_SIZES,
+    PRIMARY,
+    QUICK_TASK,
+    STEPS,
+    TASK,
+    contrasts,
+    ensure_warm_start,
+    final_reward,
+    load_runs,
+    reward_per_token,
+    run_flags,
+    run_name,
+    run_one,
+    write_run_record,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
-SELECTION_SEEDS = (0, 1, 2)
-TEST_SEEDS = (3, 4, 5, 6, 7)
-STEPS = pilot.STEPS
-GROUP_SIZES = pilot.GROUP_SIZES
-PRIMARY = pilot.PRIMARY
 SECONDARY = ("grpo_nostd", "otb")
-AIM_STEPS = pilot.AIM_STEPS
-DELTA = 0.0104  # the pilot's pooled seed-to-seed standard deviation of M (6 runs, 4 d.o.f.)
-K = 4
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 QUICK = {"lrs": (1e-3,), "selection": (0,), "test": (1,), "group_sizes": (2,), "steps": 2, "aim": (1,)}
 
 
 # ----------------------------------------------------------------------------- reading the records
 
 
-def cells(runs: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """(arm, N, lr) -> seed -> record."""
-    out: dict[tuple, dict[int, dict]] = {}
-    for record in runs:
-        out.setdefault((record["arm"], record["group_size"], record["lr"]), {})[record["seed"]] = record
-    return out
-
-
-def select(by_cell: dict, arm: str, n: int, lrs, seeds) -> float | None:
-    """The selection rule: the rate of ``lrs`` with the highest mean metric over ``seeds`` (ties, equal to 4
-    decimals, to the smaller rate); None until every rate has every seed."""
-    means = {}
-    for lr in lrs:
-        runs = by_cell.get((arm, n, lr), {})
-        if not all(seed in runs for seed in seeds):
-            return None
-        means[lr] = round(statistics.mean(pilot.reward_per_token(runs[s]["rows"]) for s in seeds), 4)
-    best = max(means.values())
-    return min(lr for lr, value in means.items() if value == best)
-
-
-def paired(values_a: dict[int, float], values_b: dict[int, float]) -> dict:
-    """Paired differences a − b over the seeds both have: the differences, their mean and 95% t interval."""
-    seeds = sorted(set(values_a) & set(values_b))
-    diffs = [values_a[s] - values_b[s] for s in seeds]
-    if len(diffs) < 2:
-        return {
-            "seeds": seeds,
-            "diffs": diffs,
-            "mean": diffs[0] if diffs else math.nan,
-            "low": math.nan,
-            "high": math.nan,
-        }
-    mean, half = statistics.mean(diffs), T_975[len(diffs) - 1] * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return {"seeds": seeds, "diffs": diffs, "mean": mean, "low": mean - half, "high": mean + half}
-
-
-def decide(diffs: list[float], delta: float, k: int = K, needed: int = len(TEST_SEEDS)) -> str:
-    """The decision rule on the paired test differences d = otb_loo − rloo of the metric."""
-    if len(diffs) < needed:
-        return "not decided yet"
-    if sum(d >= delta for d in diffs) >= k:
-        return "variance reduction matters"
-    if sum(d <= -delta for d in diffs) >= k:
-        return "RLOO better"
-    return f"no difference of δ = {delta:.4f}"
-
-
-def test_comparison(by_cell: dict, n: int, lrs, selection, test, arms=PRIMARY) -> dict | None:
-    """At N: each arm's selected rate and the paired test comparison of the second arm minus the first."""
-    chosen = {arm: select(by_cell, arm, n, lrs, selection) for arm in arms}
-    if any(lr is None for lr in chosen.values()):
-        return {"chosen": chosen}
-    runs = {arm: by_cell.get((arm, n, chosen[arm]), {}) for arm in arms}
-    metric = {arm: {s: pilot.reward_per_token(r["rows"]) for s, r in runs[arm].items() if s in test} for arm in arms}
-    final = {arm: {s: pilot.final_reward(r["rows"]) for s, r in runs[arm].items() if s in test} for arm in arms}
-    return {
-        "chosen": chosen,
-        "metric": metric,
-        "d_metric": paired(metric[arms[1]], metric[arms[0]]),
-        "d_final": paired(final[arms[1]], final[arms[0]]),
-    }
-
-
 def contrast_labels(pilot_dir: Path) -> dict[int, float]:
     records = [json.loads(p.read_text()) for p in sorted(pilot_dir.glob("snr_seed*.json"))]
-    return pilot.contrasts(records) if records else {}
-
-
-def interval_text(p: dict, digits: int = 4) -> str:
-    if math.isnan(p["low"]):
-        return f"{p['mean']:+.{digits}f} (n = {len(p['diffs'])})"
-    return f"{p['mean']:+.{digits}f} [{p['low']:+.{digits}f}, {p['high']:+.{digits}f}] (n = {len(p['diffs'])})"
+    return contrasts(records) if records else {}
 
 
 def verdict(comparisons: dict[int, dict], contrast: dict[int, float], delta: float) -> str:
@@ -163,7 +120,7 @@ def verdict(comparisons: dict[int, dict], contrast: dict[int, float], delta: flo
         word = decide(d["diffs"], delta)
         above = sum(x >= delta for x in d["diffs"])
         below = sum(x <= -delta for x in d["diffs"])
-        label = "" if contrast.get(n, math.inf) >= pilot.CONTRAST else " (no variance contrast: not read as a test)"
+        label = "" if contrast.get(n, math.inf) >= CONTRAST else " (no variance contrast: not read as a test)"
         rates = ", ".join(f"{arm} lr {lr:g}" for arm, lr in comparison["chosen"].items())
         parts.append(
             f"N = {n}: **{word}**{label}; {rates}; d(M) = otb_loo − rloo = {interval_text(d)}, ≥ δ in {above}, ≤ −δ "
@@ -180,25 +137,6 @@ def aim_mean(record: dict, key: str) -> float:
     return statistics.mean(values) if values else math.nan
 
 
-def median_step(record: dict) -> float:
-    return statistics.median(r["update_norm"] for r in record["rows"] if r["update_norm"] is not None)
-
-
-def collapsed(record: dict) -> bool:
-    """The run ended below half its starting reward (first and last 10% of the steps), as in experiments/stability."""
-    rows = record["rows"]
-    head = statistics.mean((r["reward_mean"] or 0.0) for r in rows[: max(1, len(rows) // 10)])
-    return pilot.final_reward(rows) < 0.5 * head
-
-
-def _mean_sd(values: list[float], digits: int = 4) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "—"
-    text = f"{statistics.mean(values):.{digits}f}"
-    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
-
-
 def grid_table(by_cell: dict, arms, group_sizes, lrs, seeds) -> list[str]:
     head = ("| arm | N | lr | seeds | M (mean ± sd) | final reward | collapsed | median ‖Δθ‖ | cos(Δθ, g_ref) "
             "| cos(g, g_ref) | cos of the reference's halves |")  # fmt: skip
@@ -211,14 +149,11 @@ def grid_table(by_cell: dict, arms, group_sizes, lrs, seeds) -> list[str]:
                     continue
                 cells_ = [
                     str(len(runs)),
-                    _mean_sd([pilot.reward_per_token(r["rows"]) for r in runs]),
-                    _mean_sd([pilot.final_reward(r["rows"]) for r in runs], 3),
+                    mean_sd([reward_per_token(r["rows"]) for r in runs]),
+                    mean_sd([final_reward(r["rows"]) for r in runs], 3),
                     f"{sum(map(collapsed, runs))}/{len(runs)}",
-                    _mean_sd([median_step(r) for r in runs], 3),
-                    *(
-                        _mean_sd([aim_mean(r, key) for r in runs], 3)
-                        for key in ("cos_update", "cos_grad", "cos_halves")
-                    ),
+                    mean_sd([median_step(r) for r in runs], 3),
+                    *(mean_sd([aim_mean(r, key) for r in runs], 3) for key in ("cos_update", "cos_grad", "cos_halves")),
                 ]
                 lines.append(f"| {arm} | {n} | {lr:g} | " + " | ".join(cells_) + " |")
     return lines
@@ -251,29 +186,6 @@ def aim_comparison(by_cell: dict, group_sizes, lrs, seeds, arms=PRIMARY) -> list
 # ----------------------------------------------------------------------------- what each output hangs on (issue 38)
 
 ALPHA = 0.05  # the reading's criterion: a paired comparison is read as a difference only at sign-flip p <= ALPHA
-STABLE_LRS = (1e-4, 3e-4, 1e-3)  # the rates at which most selection runs did not collapse
-WINDOWS = ((1, 150), (11, 150), (11, 50), (51, 150))  # steps (inclusive) over which update sizes are compared
-
-
-def sign_flip_p(diffs: list[float]) -> float:
-    """Exact two-sided sign-flip p of the mean of paired differences: the share of the 2^n sign vectors whose
-    |sum| is at least the observed one."""
-    observed = abs(sum(diffs))
-    flips = list(itertools.product((1, -1), repeat=len(diffs)))
-    return sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips) / len(flips)
-
-
-def fisher_p(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
-    """Exact two-sided Fisher p of a 2 x 2 table (hits of n in each group): the total probability, with the
-    margins fixed, of the tables no more probable than the observed one."""
-    hits, total = hits_a + hits_b, n_a + n_b
-
-    def prob(k: int) -> float:
-        return math.comb(n_a, k) * math.comb(n_b, hits - k) / math.comb(total, hits)
-
-    observed = prob(hits_a)
-    ks = range(max(0, hits - n_b), min(hits, n_a) + 1)
-    return min(1.0, sum(prob(k) for k in ks if prob(k) <= observed * (1 + 1e-9)))
 
 
 def reading(comparisons: dict[int, dict], alpha: float = ALPHA) -> str:
@@ -294,80 +206,6 @@ def reading(comparisons: dict[int, dict], alpha: float = ALPHA) -> str:
         f"Reading (criterion: a paired test comparison is read as a difference only at exact two-sided sign-flip "
         f"p ≤ {alpha}): **{word}**; " + "; ".join(parts) + "."
     )
-
-
-def window_ratio(by_cell: dict, n: int, lr: float, window: tuple[int, int], seeds, arms=PRIMARY) -> float:
-    """Mean over ``seeds`` of median ‖Δθ‖ over the steps of ``window`` of otb_loo over that of rloo, paired."""
-
-    def median(record: dict) -> float:
-        return statistics.median(
-            r["update_norm"] for r in record["rows"] if window[0] <= r["step"] <= window[1] and r["update_norm"]
-        )
-
-    a, b = by_cell[(arms[1], n, lr)], by_cell[(arms[0], n, lr)]
-    return statistics.mean(median(a[s]) / median(b[s]) for s in seeds)
-
-
-def selection_without_lone_collapses(by_cell: dict, arm: str, n: int, lrs, seeds) -> tuple[float, list]:
-    """The selection rule with each collapsed run dropped from a cell where most of the arm's seeds did not
-    collapse (a lone collapse); (the rate it picks, the dropped runs as (rate, seed, M))."""
-    means, dropped = {}, []
-    for lr in lrs:
-        runs = {s: by_cell[(arm, n, lr)][s] for s in seeds}
-        fallen = [s for s, r in runs.items() if collapsed(r)]
-        kept = [s for s in seeds if s not in fallen] if 2 * len(fallen) < len(seeds) else list(seeds)
-        dropped += [(lr, s, pilot.reward_per_token(runs[s]["rows"])) for s in seeds if s not in kept]
-        means[lr] = round(statistics.mean(pilot.reward_per_token(runs[s]["rows"]) for s in kept), 4)
-    best = max(means.values())
-    return min(lr for lr, value in means.items() if value == best), dropped
-
-
-def _metric(record: dict) -> float:
-    return pilot.reward_per_token(record["rows"])
-
-
-def _test_dependence(by_cell: dict, n: int, chosen: dict, test) -> dict:
-    """The test seeds at the selected rates: d(M) per seed, who collapsed, and the pairs without a collapse."""
-    runs = {arm: by_cell[(arm, n, lr)] for arm, lr in chosen.items()}
-    d = {s: _metric(runs["otb_loo"][s]) - _metric(runs["rloo"][s]) for s in test}
-    fallen = {arm: [s for s in test if collapsed(runs[arm][s])] for arm in PRIMARY}
-    calm = [s for s in test if not any(s in seeds for seeds in fallen.values())]
-    interval = paired({s: _metric(runs["otb_loo"][s]) for s in calm}, {s: _metric(runs["rloo"][s]) for s in calm})
-    return {"d": d, "collapsed": fallen, "calm_seeds": calm, "calm": interval}
-
-
-def dependence(by_cell: dict, lrs=LRS, selection=SELECTION_SEEDS, test=TEST_SEEDS, group_sizes=GROUP_SIZES) -> dict:
-    """What the rule's outputs hang on, recomputed from the records: per N the selection with lone collapses
-    dropped and the test pairs with and without a collapse; collapses at 1e-3 per arm (Fisher); the equal-rate pairs
-    at the stable rates; the update-size ratio otb_loo / rloo per window of steps."""
-    out: dict = {"per_n": {}, "windows": {}}
-    for n in group_sizes:
-        chosen = test_comparison(by_cell, n, lrs, selection, test)["chosen"]
-        alternative = {arm: selection_without_lone_collapses(by_cell, arm, n, lrs, selection) for arm in PRIMARY}
-        out["per_n"][n] = {
-            "chosen": chosen,
-            "chosen_without_lone_collapses": {arm: v[0] for arm, v in alternative.items()},
-            "dropped": {arm: v[1] for arm, v in alternative.items()},
-            "selection_metric_at_1e-3": {
-                arm: {s: _metric(by_cell[(arm, n, 1e-3)][s]) for s in selection} for arm in PRIMARY
-            },  # fmt: skip
-            "test": _test_dependence(by_cell, n, chosen, test),
-        }
-        for lr in STABLE_LRS:
-            out["windows"][(n, lr)] = {w: window_ratio(by_cell, n, lr, w, selection) for w in WINDOWS}
-    at = {arm: [r for n in group_sizes for r in by_cell.get((arm, n, 1e-3), {}).values()] for arm in PRIMARY}
-    hits = {arm: (sum(map(collapsed, runs)), len(runs)) for arm, runs in at.items()}
-    out["collapses_at_1e-3"] = {**hits, "fisher_p": fisher_p(*hits["otb_loo"], *hits["rloo"])}
-    pairs = []  # (N, lr, seed, d, a run of the pair collapsed, test seed)
-    for n in group_sizes:
-        chosen = out["per_n"][n]["chosen"]
-        for lr in STABLE_LRS:
-            seeds = [*selection, *(test if chosen["otb_loo"] == chosen["rloo"] == lr else ())]
-            for s in seeds:
-                a, b = by_cell[("otb_loo", n, lr)][s], by_cell[("rloo", n, lr)][s]
-                pairs.append((n, lr, s, _metric(a) - _metric(b), collapsed(a) or collapsed(b), s in test))
-    out["equal_rate_pairs"] = pairs
-    return out
 
 
 def _count(pairs) -> str:
@@ -452,7 +290,7 @@ def plot(by_cell: dict, comparisons: dict, group_sizes, lrs, selection, test, ou
             style = "-" if arm == PRIMARY[1] else "--"
             metric_axis.plot(
                 [lr for lr, _ in points],
-                [statistics.mean(pilot.reward_per_token(r["rows"]) for r in runs) for _, runs in points],
+                [statistics.mean(reward_per_token(r["rows"]) for r in runs) for _, runs in points],
                 style, marker="o", label=f"{arm} N={n}",
             )  # fmt: skip
             # a collapsed run's reference gradient is 0 (every reward 0) after the collapse: its aim is step 1's alone
@@ -482,14 +320,14 @@ def plan(args, lrs, selection, test, group_sizes) -> None:
     task, steps, aim = args.task, args.steps, args.aim_steps
 
     def missing(items):
-        return [i for i in items if not (records_dir / f"{pilot.run_name(*i)}.json").exists()]
+        return [i for i in items if not (records_dir / f"{run_name(*i)}.json").exists()]
 
     def job(item):
         arm, n, lr, seed = item
-        name, flags, begun = pilot.run_name(*item), pilot.run_flags(task, arm, n, lr), time.perf_counter()
-        run = pilot.run_one(name, flags, seed, steps, warm, args.runs_dir, aim, in_process=args.quick)
+        name, flags, begun = run_name(*item), run_flags(task, arm, n, lr), time.perf_counter()
+        run = run_one(name, flags, seed, steps, warm, args.runs_dir, aim, in_process=args.quick)
         meta = {"name": name, "arm": arm, "group_size": n, "lr": lr, "seed": seed, "flags": flags}
-        path = pilot.write_run_record(meta, run, time.perf_counter() - begun, records_dir)
+        path = write_run_record(meta, run, time.perf_counter() - begun, records_dir)
         if args.commit:
             commit([path], f"results/variance_lr: {name} ({steps} steps, {machine_name()})")
 
@@ -503,9 +341,9 @@ def plan(args, lrs, selection, test, group_sizes) -> None:
 
     first = missing([(a, n, lr, s) for s in selection for lr in lrs for n in group_sizes for a in args.arms])
     if first:
-        pilot.ensure_warm_start(warm, args.quick)
+        ensure_warm_start(warm, args.quick)
         run_all(first)
-    by_cell = cells(pilot.load_runs(records_dir))
+    by_cell = cells(load_runs(records_dir))
     second = []
     for n in group_sizes:
         for arm in args.arms:
@@ -514,16 +352,16 @@ def plan(args, lrs, selection, test, group_sizes) -> None:
                 second += [(arm, n, lr, s) for s in test]
     second = missing(second)
     if second:
-        pilot.ensure_warm_start(warm, args.quick)
+        ensure_warm_start(warm, args.quick)
         run_all(second)
 
 
 def merge_section(out_dir: Path) -> list[str]:
     """Issue 38: merge ed1b10c landed between the 22nd and 23rd record; one pre-merge record rerun at both commits
     (experiments/merge_rerun.py), when its records are there."""
-    import merge_rerun
+    from common.variance_runs import RECORD, load, summary_lines
 
-    loaded = merge_rerun.load(out_dir) if (out_dir / "variance_lr_merge").exists() else None
+    loaded = load(out_dir) if (out_dir / "variance_lr_merge").exists() else None
     if loaded is None:
         return []
     return [
@@ -531,10 +369,10 @@ def merge_section(out_dir: Path) -> list[str]:
         "",
         "Merge ed1b10c (OTB's G_t and W_t formed in fp64 instead of the compute dtype, among other changes) landed "
         "between the 22nd and 23rd record. Record "
-        f"`{merge_rerun.RECORD}` (pre-merge) rerun at ed1b10c^2 and at ed1b10c, each in a temporary worktree "
+        f"`{RECORD}` (pre-merge) rerun at ed1b10c^2 and at ed1b10c, each in a temporary worktree "
         "(`python experiments/merge_rerun.py --commit`; results/variance_lr_merge.md):",
         "",
-        *merge_rerun.summary_lines(*loaded),
+        *summary_lines(*loaded),
         "",
     ]
 
@@ -542,7 +380,7 @@ def merge_section(out_dir: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny warm start, one rate, 2 steps, in process")
-    parser.add_argument("--arms", nargs="+", default=list(PRIMARY), choices=list(pilot.ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(PRIMARY), choices=list(ARMS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--commit", action="store_true", help="git commit each run's record when it finishes")
     parser.add_argument("--report-only", action="store_true", help="no runs: the report from the records")
@@ -553,23 +391,23 @@ def main(argv: list[str] | None = None) -> Path:
     if args.quick:
         lrs, selection, test, group_sizes = QUICK["lrs"], QUICK["selection"], QUICK["test"], QUICK["group_sizes"]
         # the graded copy reward: the tiny warm start never copies exactly, and all-zero rewards move nothing
-        args.task, args.steps, args.aim_steps = ["--task", "copy", *pilot.QUICK_TASK[2:]], QUICK["steps"], QUICK["aim"]
+        args.task, args.steps, args.aim_steps = ["--task", "copy", *QUICK_TASK[2:]], QUICK["steps"], QUICK["aim"]
         args.warm, delta = args.runs_dir / "warm_start", 0.01
     else:
         lrs, selection, test, group_sizes = LRS, SELECTION_SEEDS, TEST_SEEDS, GROUP_SIZES
-        args.task, args.steps, args.aim_steps = pilot.TASK, STEPS, AIM_STEPS
+        args.task, args.steps, args.aim_steps = TASK, STEPS, AIM_STEPS
         args.warm, delta = ROOT / "results" / "variance_lr_warm_start", DELTA
     records_dir = args.out_dir / "variance_lr"
     if not args.report_only:
         plan(args, lrs, selection, test, group_sizes)
-    by_cell = cells(pilot.load_runs(records_dir))
+    by_cell = cells(load_runs(records_dir))
     contrast = contrast_labels(args.out_dir / "variance_lr_pilot")
     comparisons = {n: test_comparison(by_cell, n, lrs, selection, test) for n in group_sizes}
     total = len(PRIMARY) * len(group_sizes) * (len(lrs) * len(selection) + len(test))
     done = sum(len(v) for (arm, _, _), v in by_cell.items() if arm in PRIMARY)
     sections = [
         f"Runs recorded (primary arms): {done} of {total} (one compact record per run in `{records_dir.name}/`). "
-        f"Task flags: `{' '.join(args.task)}`; common flags: `{' '.join(pilot.COMMON)}`; {args.steps} steps per run; "
+        f"Task flags: `{' '.join(args.task)}`; common flags: `{' '.join(COMMON)}`; {args.steps} steps per run; "
         f"rates {', '.join(f'{lr:g}' for lr in lrs)}; selection seeds {list(selection)}, test seeds {list(test)}; "
         f"δ = {delta}, k = {K}.",
         "",

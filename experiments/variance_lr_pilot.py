@@ -1,5 +1,5 @@
 """The pilot of experiments/variance_lr.py (issue 28): is there a variance contrast to test, and how large is the
-seed-to-seed spread of the metric? Also the run machinery the driver shares.
+seed-to-seed spread of the metric? Its runs and records are common/variance_runs.py, shared with the driver.
 
     python experiments/variance_lr_pilot.py --commit        # the warm start if missing, the SNR and spread records
     python experiments/variance_lr_pilot.py --report-only   # results/variance_lr_pilot.md from the records alone
@@ -27,49 +27,35 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import commit, machine_name, write_json_record, write_report
-from otb_train.warm_start import main as train_warm_start
+from common import commit, machine_name, write_report
+from common.gradients import sample_batch, snr_statistics
+from common.variance_runs import (
+    AIM_STEPS,
+    CONTRAST,
+    GROUP_SIZES,
+    PRIMARY,
+    PROMPTS_PER_STEP,
+    QUICK_TASK,
+    STEPS,
+    TASK,
+    contrasts,
+    ensure_warm_start,
+    final_reward,
+    load_runs,
+    reward_per_token,
+    run_flags,
+    run_name,
+    run_one,
+    write_run_record,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-LENGTHS = ("16", "24")
-TASK = ["--task", "copy_exact", "--copy-lengths", *LENGTHS, "--max-new-tokens", "32"]
-QUICK_TASK = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--max-new-tokens", "6"]
-WARM_START = ["--task", "copy_exact", "--copy-lengths", *LENGTHS, "--hidden-size", "64", "--target-reward", "0.3"]
-PROMPTS_PER_STEP = 8
-STEPS = 150
-WARMUP = 10
-AIM_STEPS = (1, 50, 100, 150)  # steps whose update's aim is measured (experiments/aimed_train.py)
-AIM = ["--aim-prompts", "16", "--aim-group", "32"]
-# The runs' flags beside the arm's and the learning rate: on-policy (1 epoch x 1 mini-batch), the same 10-step
-# linear warmup then a constant rate (--min-lr-ratio 1), no gradient clipping, token-mean loss, PPO clip 0.2.
-COMMON = [
-    "--prompts-per-step", str(PROMPTS_PER_STEP), "--epochs", "1", "--mini-batches", "1", "--warmup-steps",
-    str(WARMUP), "--min-lr-ratio", "1", "--grad-clip", "0", "--micro-batch-size", "128", "--save-every", "0",
-    "--keep-checkpoints", "1", "--sample-every", "0", "--device", "cpu",
-]  # fmt: skip
-ARMS = {  # name -> train.py flags (N is added per run)
-    "rloo": ["--estimator", "rloo"],
-    "otb_loo": ["--estimator", "otb", "--leave-one-out"],
-    # the secondary pair (biased differently: reported apart, never read as evidence about variance)
-    "grpo_nostd": ["--estimator", "grpo", "--no-std-normalize"],
-    "otb": ["--estimator", "otb"],
-}
-PRIMARY = ("rloo", "otb_loo")
-GROUP_SIZES = (4, 16)
-COLUMNS = ["step", "tokens", "generated_tokens", "reward_mean", "grad_norm", "update_norm", "approx_kl", "entropy",
-           "response_length_mean", "lr"]  # fmt: skip
-CONTRAST = 1.5
 
 # The pilot itself
 SNR_SEEDS = (0, 1, 2)
@@ -87,105 +73,12 @@ SPREAD_LR = 3e-4  # the middle of the driver's grid
 PROBE_LRS = (1e-2,)  # the top of the grid: does it collapse? (one seed, N = 4, both arms)
 
 
-# ----------------------------------------------------------------------------- one run (shared with the driver)
-
-
-def run_name(arm: str, n: int, lr: float, seed: int) -> str:
-    return f"{arm}_n{n}_lr{lr:g}_seed{seed}"
-
-
-def run_flags(task: list[str], arm: str, n: int, lr: float) -> list[str]:
-    return [*task, *COMMON, *ARMS[arm], "--group-size", str(n), "--lr", f"{lr:g}"]
-
-
-def run_one(
-    name: str, flags: list[str], seed: int, steps: int, warm: Path, runs: Path, aim_steps, in_process: bool = False
-) -> Path:
-    """One ``experiments/aimed_train.py`` run (train.py + the aim measurement) from ``warm`` into ``runs/<name>``;
-    an unfinished one restarts from scratch. Its log is a file, so the run survives its driver; ``in_process``
-    (quick mode) runs it in this process instead, with a tiny reference."""
-    out = runs / name
-    shutil.rmtree(out, ignore_errors=True)
-    aim = ["--aim-steps", *map(str, [s for s in aim_steps if s <= steps]), *AIM]
-    command = [sys.executable, str(ROOT / "experiments" / "aimed_train.py"), *aim, "--", "--model", str(warm),
-               *flags, "--steps", str(steps), "--seed", str(seed), "--output-dir", str(out)]  # fmt: skip
-    runs.mkdir(parents=True, exist_ok=True)
-    if in_process:
-        import aimed_train
-
-        tiny = ["--aim-prompts", "2", "--aim-group", "4"]
-        aimed_train.main([*aim[: aim.index("--aim-prompts")], *tiny, *command[command.index("--") :]])
-        return out
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    log = runs / f"{name}.log"
-    with open(log, "w") as stream:
-        done = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{log.read_text()[-3000:]}")
-    return out
-
-
-def write_run_record(meta: dict, run: Path, seconds: float, records_dir: Path) -> Path:
-    """The run's compact record ``<records_dir>/<name>.json`` (per-step columns and the aim lines), written whole
-    and then renamed, so a record exists only for a finished run."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    aim_file = run / "aim.jsonl"
-    aims = [json.loads(line) for line in aim_file.read_text().splitlines()] if aim_file.exists() else []
-    record = {
-        **meta, "machine": machine_name(), "wall_seconds": round(seconds), "columns": COLUMNS,
-        "steps": [[_short(row.get(key)) for key in COLUMNS] for row in rows],
-        "aim": [{k: _short(v) for k, v in line.items()} for line in aims],
-    }  # fmt: skip
-    return write_json_record(records_dir / f"{meta['name']}.json", record)
-
-
-def _short(value):
-    return float(f"{value:.6g}") if isinstance(value, float) and math.isfinite(value) else value
-
-
-def load_runs(records_dir: Path) -> list[dict]:
-    """Every run record of ``records_dir``, its per-step rows as dicts under ``rows``."""
-    out = []
-    for path in sorted(records_dir.glob("*.json")):
-        record = json.loads(path.read_text())
-        if "columns" not in record:
-            continue
-        record["rows"] = [dict(zip(record["columns"], values)) for values in record["steps"]]
-        out.append(record)
-    return out
-
-
-def reward_per_token(rows: list[dict]) -> float:
-    """The metric: mean reward per generated token over the run, Σ reward_mean·tokens / Σ tokens (the area under
-    reward vs generated tokens, divided by the tokens). A diverged step (reward None) counts as 0."""
-    total = sum(r["generated_tokens"] for r in rows)
-    return sum((r["reward_mean"] or 0.0) * r["generated_tokens"] for r in rows) / total
-
-
-def final_reward(rows: list[dict]) -> float:
-    """Mean reward over the last 10% of the steps (at least one)."""
-    tail = rows[-max(1, len(rows) // 10) :]
-    return statistics.mean((r["reward_mean"] or 0.0) for r in tail)
-
-
-def ensure_warm_start(warm: Path, quick: bool) -> Path:
-    """The warm start at ``warm``: trained by its stopping rule if missing (a tiny one with ``quick``)."""
-    if not (warm / "config.json").exists():
-        shutil.rmtree(warm, ignore_errors=True)
-        flags = [*WARM_START]
-        if quick:
-            flags = ["--task", "copy_exact", "--copy-lengths", "2", "3", "--hidden-size", "32", "--steps", "10",
-                     "--eval-prompts", "16"]  # fmt: skip
-        train_warm_start(["--out", str(warm), *flags])
-    return warm
-
-
 # ----------------------------------------------------------------------------- SNR at the warm start
 
 
 def batch_gradients(lm, sample, sizes, estimators: dict) -> torch.Tensor:
     """[E, len(sizes), P]: each estimator's gradient of the token-mean surrogate on the first N responses of every
-    group of ``sample`` (a gradient_variance.Sample), one forward and one backward per (estimator, N)."""
+    group of ``sample`` (a common.gradients.Sample), one forward and one backward per (estimator, N)."""
     from otb_ref import compute_advantages
     from otb_train.model import Policy
     from otb_train.rollout import position_ids_from_mask
@@ -215,36 +108,10 @@ def batch_gradients(lm, sample, sizes, estimators: dict) -> torch.Tensor:
     return out
 
 
-def snr_statistics(grads: torch.Tensor, bootstrap: int = 2000, seed: int = 0) -> dict:
-    """From grads [R, E, N, P]: SNR, ‖E g‖² and tr Cov g per (estimator, N), and bootstrap draws of the SNR."""
-    import gradient_variance
-
-    r = len(grads)
-    own = torch.zeros(*grads.shape[1:3], r, r, dtype=torch.float64)
-    for e in range(grads.shape[1]):
-        for n in range(grads.shape[2]):
-            g = grads[:, e, n].double()
-            own[e, n] = g @ g.T
-    generator = torch.Generator().manual_seed(seed)
-    draws = torch.randint(r, (bootstrap, r), generator=generator)
-    weights = torch.zeros(bootstrap, r, dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(bootstrap, r, dtype=torch.float64)
-    )
-    signal, power = gradient_variance.pair_means(own, torch.ones(1, r, dtype=torch.float64))
-    boot_signal, boot_power = gradient_variance.pair_means(own, weights)
-    return {
-        "snr": (signal / (power - signal))[0],
-        "signal": signal[0],
-        "noise": (power - signal)[0],
-        "boot_snr": boot_signal / (boot_power - boot_signal),
-    }
-
-
 def measure_snr(warm: Path, seed: int, replicates: int, prompts: int, task: list[str], reward: str) -> dict:
     """SNR of every pilot estimator at N in GROUP_SIZES at the warm start, for one pilot seed's prompts; ``reward``
     is the task scoring the responses (``copy_exact``; ``copy``, graded, in quick mode, whose tiny warm start never
     copies exactly)."""
-    import gradient_variance
     from transformers import AutoModelForCausalLM
 
     from otb_train.tasks import synthetic_problem
@@ -257,9 +124,7 @@ def measure_snr(warm: Path, seed: int, replicates: int, prompts: int, task: list
     ]
     grads, rewards, tokens, started = [], [], torch.zeros(len(GROUP_SIZES)), time.perf_counter()
     for replicate in range(replicates):
-        sample = gradient_variance.sample_batch(
-            lm, problems, max(GROUP_SIZES), replicate + 1, max_new, SNR_PROMPT_SEED + seed, reward
-        )
+        sample = sample_batch(lm, problems, max(GROUP_SIZES), replicate + 1, max_new, SNR_PROMPT_SEED + seed, reward)
         grads.append(batch_gradients(lm, sample, GROUP_SIZES, SNR_ESTIMATORS))
         rewards.append(float(sample.rewards.sum() / len(sample.mask)))
         for k, n in enumerate(GROUP_SIZES):
@@ -287,16 +152,6 @@ def measure_snr(warm: Path, seed: int, replicates: int, prompts: int, task: list
 
 
 # ----------------------------------------------------------------------------- the pilot's report
-
-
-def contrasts(snr_records: list[dict]) -> dict[int, float]:
-    """N -> the contrast SNR(otb_loo) / SNR(rloo), as the ratio of the seeds' mean SNRs."""
-    out = {}
-    for k, n in enumerate(GROUP_SIZES):
-        loo = statistics.mean(r["snr"][r["estimators"].index("otb_loo")][k] for r in snr_records)
-        rloo = statistics.mean(r["snr"][r["estimators"].index("rloo")][k] for r in snr_records)
-        out[n] = loo / rloo if rloo > 0 else math.inf
-    return out
 
 
 def pooled_spread(runs: list[dict]) -> tuple[float, int]:
