@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import gradient_variance as gv
 
+from common import gradients
 from otb_ref import compute_advantages
 from otb_train.config import Config
 from otb_train.energies import exact_energies
@@ -115,7 +116,7 @@ def test_pair_statistics_identities():
     generator = torch.Generator().manual_seed(0)
     r = 6
     g = torch.randn(r, 50, dtype=torch.float64, generator=generator) + 0.3
-    signal, power = gv.pair_means((g @ g.T)[None], torch.ones(1, r, dtype=torch.float64))
+    signal, power = gradients.pair_means((g @ g.T)[None], torch.ones(1, r, dtype=torch.float64))
     mean = g.mean(dim=0)
     trace_cov = ((g - mean) ** 2).sum() / (r - 1)
     assert torch.allclose(signal[0, 0], mean.square().sum() - trace_cov / r)
@@ -124,7 +125,7 @@ def test_pair_statistics_identities():
     for _ in range(20):  # worst case: gradients that cancel
         g = torch.randn(r, 5, dtype=torch.float64, generator=generator)
         g = g - g.mean(dim=0)
-        signal, power = gv.pair_means((g @ g.T)[None], weights)
+        signal, power = gradients.pair_means((g @ g.T)[None], weights)
         assert signal[0, 0] / (power[0, 0] - signal[0, 0]) >= -1 / r - 1e-12
 
 

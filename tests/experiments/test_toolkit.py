@@ -1,23 +1,14 @@
-"""The lab's layers (issue 40, item 4): a driver imports ``common`` (the toolkit), the library and ``otb_train``;
-``common`` imports no experiment. The drivers that still read another experiment's code are listed by name, with
-what they read, so that a new cross-import fails here and a removed one must be struck from the list."""
+"""The lab's layers (issue 40, item 4): every experiment imports ``common`` (the toolkit, a package), the library
+and ``otb_train``, the standard library and third-party packages, never another experiment; ``common`` imports no
+experiment either. What two drivers share lives in ``common`` (its docstring lists where)."""
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
-# driver -> the other experiments it still imports (each a reading or building on that experiment's own analysis).
-STILL_IMPORTS = {
-    "equal_rate": {"variance_lr", "variance_lr_pilot"},  # the grid's cells and the pilot's runs
-    "gradient_variance": {"snapshots"},  # the policy snapshots it measures
-    "merge_rerun": {"variance_lr_pilot"},  # the pilot's run and record format
-    "proxy_fidelity": {"snapshots"},
-    "readings": {"reproduction", "stability", "stability_long", "variance_lr", "variance_lr_pilot"},  # their analyses
-    "snr_gap": {"gradient_variance", "variance_lr_pilot"},  # their gradient sampler and SNR statistics
-    "variance_lr": {"merge_rerun", "variance_lr_pilot"},  # the pilot's arms and runs
-    "variance_lr_pilot": {"aimed_train", "gradient_variance"},  # its runs are aimed_train runs
-}
+ALLOWED_FIRST_PARTY = {"common", "otb_ref", "otb_train"}
 
 
 def _imported(path: Path) -> set[str]:
@@ -31,12 +22,41 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
+def _first_party() -> set[str]:
+    """Every name a module of this repository could be imported by: the experiments (scripts on ``sys.path[0]``),
+    the root's scripts and folders of Python code (``train``, ``plot``, ``benchmarks``, ``tests``, ...)."""
+    names = {path.stem for path in EXPERIMENTS.glob("*.py")} | {path.stem for path in ROOT.glob("*.py")}
+    names |= {path.name for path in ROOT.iterdir() if path.is_dir() and any(path.rglob("*.py"))}
+    return names
+
+
 def test_drivers_import_only_the_toolkit_the_library_and_the_trainer():
-    drivers = {path.stem: path for path in EXPERIMENTS.glob("*.py")}
-    assert {"common", "reproduction", "stability", "stability_long", "warm_start", "exact_table"} <= set(drivers)
-    found = {name: (_imported(path) & set(drivers)) - {"common"} for name, path in drivers.items()}
-    assert not found["common"], f"experiments/common.py imports experiments: {found['common']}"
-    assert {name: other for name, other in found.items() if other} == STILL_IMPORTS
+    modules = sorted(EXPERIMENTS.glob("*.py")) + sorted((EXPERIMENTS / "common").glob("*.py"))
+    drivers = {path.stem for path in EXPERIMENTS.glob("*.py")}
+    assert {"reproduction", "readings", "variance_lr", "snapshots", "warm_start", "exact_table"} <= drivers
+    assert "common" not in drivers and (EXPERIMENTS / "common" / "__init__.py").exists()
+    assert len(modules) > len(drivers) + 1  # the toolkit's own modules are checked too
+    forbidden = _first_party() - ALLOWED_FIRST_PARTY
+    assert drivers <= forbidden and {"train", "plot", "benchmarks", "tests"} <= forbidden
+    found = {str(path.relative_to(ROOT)): sorted(_imported(path) & forbidden) for path in modules}
+    assert not {name: other for name, other in found.items() if other}, "an experiment imports another"
+    unknown = {
+        str(path.relative_to(ROOT)): sorted(_imported(path) - ALLOWED_FIRST_PARTY - set(sys.stdlib_module_names))
+        for path in modules
+    }
+    third_party = {"torch", "transformers", "matplotlib", "numpy"}
+    assert {name: other for name, other in unknown.items() if set(other) - third_party} == {}
+
+
+def test_the_toolkit_finds_the_repository():
+    """``common`` is a package one folder below experiments/: its ROOT is the repository's, as the drivers' are."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import common
+    from common import snapshots, variance_runs
+
+    assert common.ROOT == ROOT and common.RESULTS == ROOT / "results"
+    assert snapshots.SNAPSHOT_ROOT == ROOT / "runs" / "snapshots"
+    assert (ROOT / "experiments" / "aimed_train.py").exists() and variance_runs.ROOT == ROOT
 
 
 def test_the_library_holds_no_table_printer():
@@ -62,10 +82,17 @@ def test_no_sys_path_edits_outside_tests():
 
 def test_stability_runs_the_reproductions_task():
     """stability.py states the reproduction's task itself (it imports no experiment): the two must not drift."""
-    import sys
-
     sys.path.insert(0, str(EXPERIMENTS))
     import reproduction
     import stability
 
     assert stability.TASK == reproduction.TASK
+
+
+def test_readings_reads_stability_s_arms_in_their_order():
+    """readings.py names stability.py's arms itself (it imports no experiment): the two must not drift."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import readings
+    import stability
+
+    assert readings.STABILITY_ARMS == tuple(stability.ARMS)

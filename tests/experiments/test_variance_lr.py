@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import variance_lr
-import variance_lr_pilot as pilot
+
+from common import variance_rule, variance_runs
 
 
 def test_variance_lr_quick_records_every_run_resumes_and_reports(tmp_path):
@@ -21,9 +22,9 @@ def test_variance_lr_quick_records_every_run_resumes_and_reports(tmp_path):
     report = variance_lr.main(["--quick", "--runs-dir", str(runs), "--out-dir", str(out)])
     records = out / "variance_lr"
     names = sorted(p.name for p in records.glob("*.json"))
-    assert names == sorted(f"{arm}_n2_lr0.001_seed{s}.json" for arm in pilot.PRIMARY for s in (0, 1))
+    assert names == sorted(f"{arm}_n2_lr0.001_seed{s}.json" for arm in variance_runs.PRIMARY for s in (0, 1))
     record = json.loads((records / names[0]).read_text())
-    assert record["columns"] == pilot.COLUMNS and [row[0] for row in record["steps"]] == [1, 2]
+    assert record["columns"] == variance_runs.COLUMNS and [row[0] for row in record["steps"]] == [1, 2]
     assert [line["step"] for line in record["aim"]] == [1] and "cos_update" in record["aim"][0]
     assert "--grad-clip" in record["flags"] and record["flags"][record["flags"].index("--grad-clip") + 1] == "0"
     text = report.read_text()
@@ -86,9 +87,9 @@ def test_decision_rule_comes_out_either_way():
 
 
 def test_fisher_and_two_sided_sign_flip_are_exact():
-    assert variance_lr.fisher_p(3, 3, 0, 3) == pytest.approx(0.1)  # tables k = 3 and k = 0, 1/20 each
-    assert variance_lr.fisher_p(1, 3, 2, 3) == pytest.approx(1.0)
-    assert variance_lr.fisher_p(1, 16, 3, 11) == pytest.approx(variance_lr.fisher_p(3, 11, 1, 16))
+    assert variance_rule.fisher_p(3, 3, 0, 3) == pytest.approx(0.1)  # tables k = 3 and k = 0, 1/20 each
+    assert variance_rule.fisher_p(1, 3, 2, 3) == pytest.approx(1.0)
+    assert variance_rule.fisher_p(1, 16, 3, 11) == pytest.approx(variance_rule.fisher_p(3, 11, 1, 16))
     assert variance_lr.sign_flip_p([1.0] * 5) == pytest.approx(2 / 32)
     assert variance_lr.sign_flip_p([1.0, -1.0]) == 1.0
 
@@ -110,17 +111,17 @@ def test_selection_without_a_lone_collapse_and_window_ratios():
     runs.append(lone)
     by_cell = variance_lr.cells(runs)
     assert variance_lr.select(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2)) == 3e-4
-    rate, dropped = variance_lr.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2))
+    rate, dropped = variance_rule.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2))
     assert rate == 1e-3 and dropped == [(1e-3, 1, pytest.approx(0.35))]
     for s in (0, 2):
         for row in by_cell[("rloo", 4, 1e-3)][s]["rows"][5:]:
             row["reward_mean"] = 0.0
-    assert variance_lr.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2)) == (3e-4, [])
+    assert variance_rule.selection_without_lone_collapses(by_cell, "rloo", 4, (3e-4, 1e-3), (0, 1, 2)) == (3e-4, [])
     for s in (0, 1, 2):
         by_cell[("otb_loo", 4, 3e-4)] = by_cell.get(("otb_loo", 4, 3e-4), {})
         record = _record("otb_loo", 4, 3e-4, s, 0.5)
         for row in record["rows"]:
             row["update_norm"] = 0.02 if row["step"] <= 5 else 0.03
         by_cell[("otb_loo", 4, 3e-4)][s] = record
-    assert variance_lr.window_ratio(by_cell, 4, 3e-4, (1, 5), (0, 1, 2)) == pytest.approx(2.0)
-    assert variance_lr.window_ratio(by_cell, 4, 3e-4, (6, 10), (0, 1, 2)) == pytest.approx(3.0)
+    assert variance_rule.window_ratio(by_cell, 4, 3e-4, (1, 5), (0, 1, 2)) == pytest.approx(2.0)
+    assert variance_rule.window_ratio(by_cell, 4, 3e-4, (6, 10), (0, 1, 2)) == pytest.approx(3.0)
