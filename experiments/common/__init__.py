@@ -10,8 +10,22 @@
   :func:`ensure_warm_start`; :func:`commit` (``git commit`` exactly some records, for every driver's ``--commit``).
 * The shared collapse rule and plots: :func:`collapse`, :func:`new_figure`, :func:`plot_per_step`.
 
-A driver imports this module, the library (:mod:`otb_ref`) and the trainer's parts (:mod:`otb_train`; the
-warm start and the synthetic-task sampler are :mod:`otb_train.warm_start`).
+What two or more drivers share beyond these, one module each (each lists its names in its docstring):
+
+* :mod:`common.snapshots`: the policy snapshots at init, warm, mid and late (gradient_variance, proxy_fidelity;
+  ``experiments/snapshots.py`` is its command line).
+* :mod:`common.gradients`: the batch sampler and the Gram/pair statistics of batch gradients (gradient_variance,
+  snr_gap, variance_lr_pilot).
+* :mod:`common.variance_runs`: the variance / learning-rate runs: task, flags, arms, one ``aimed_train.py`` run, its
+  record and the metric M (variance_lr_pilot, variance_lr, equal_rate, merge_rerun, readings); the merge rerun's
+  record comparison (merge_rerun, variance_lr).
+* The committed rules that a driver's report and readings both apply: :mod:`common.variance_rule` (variance_lr's
+  design, selection and decision rules, what its outputs hang on; also equal_rate), :mod:`common.reproduction_rule`
+  (τ, T and the saving), :mod:`common.stability_long_rule` (its arms, spikes and reading).
+
+Nothing here is one driver's own logic. A driver imports this package, the library (:mod:`otb_ref`) and the
+trainer's parts (:mod:`otb_train`; the warm start and the synthetic-task sampler are :mod:`otb_train.warm_start`),
+never another experiment (``tests/experiments/test_toolkit.py``).
 """
 
 from __future__ import annotations
