@@ -16,8 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from advantages_vs_commit import ROOT, base_tree  # noqa: E402 (beside this file)
+from advantages_vs_commit import ROOT, base_tree  # beside this file (a script's folder is on its path)
 
 
 def count(batch: int, length: int, group: int, estimator: str) -> dict:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine_name, write_report
+from common import commit, machine_name, write_report
 from common.variance_runs import COMMITS, RECORD, git, load, summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,9 +47,9 @@ print(pilot.write_run_record(meta, run, time.perf_counter() - begun, out))
 """
 
 
-def rerun(record: str, commit: str, out_dir: Path) -> Path:
-    """The record's run at ``commit`` in a temporary worktree; its compact record ``out_dir/<record>@<sha>.json``."""
-    sha = git("rev-parse", commit)
+def rerun(record: str, revision: str, out_dir: Path) -> Path:
+    """The record's run at ``revision`` in a temporary worktree; its compact record ``out_dir/<record>@<sha>.json``."""
+    sha = git("rev-parse", revision)
     path = out_dir / f"{record}@{sha[:7]}.json"
     if path.exists():
         return path
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     started, records_dir = time.perf_counter(), args.out_dir / "variance_lr_merge"
     if not args.report_only:
-        for label, commit in COMMITS.items():
-            path = rerun(RECORD, commit, records_dir)
+        for label, revision in COMMITS.items():
+            path = rerun(RECORD, revision, records_dir)
             if args.commit:
                 commit([path], f"{path.relative_to(ROOT)}: {RECORD} at {label} ({machine_name()})")
     loaded = load(args.out_dir)

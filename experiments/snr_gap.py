@@ -81,9 +81,9 @@ QUICK_FACTORS = {
 }
 
 
-def ensure_warm(name: str, setting, warm_dir: Path, quick: bool, commit: bool = False, flags=()) -> Path:
+def ensure_warm(name: str, setting, warm_dir: Path, quick: bool, commit_it: bool = False, flags=()) -> Path:
     """The setting's warm start: the committed one of variance_lr, or ``warm_dir/name``, trained if missing (and
-    committed with ``commit``: a width-64 checkpoint is about 0.5 MB); ``flags``: extra warm_start.py flags."""
+    committed with ``commit_it``: a width-64 checkpoint is about 0.5 MB); ``flags``: extra warm_start.py flags."""
     (low, high), _, target = setting
     if target is None:
         return ROOT / "results" / "variance_lr_warm_start"
@@ -92,7 +92,7 @@ def ensure_warm(name: str, setting, warm_dir: Path, quick: bool, commit: bool = 
         extra = ["--steps", "10", "--hidden-size", "32", "--eval-prompts", "16"] if quick else ["--hidden-size", "64"]
         train_warm_start(["--out", str(warm), "--task", "copy_exact", "--copy-lengths", str(low), str(high),
                          "--target-reward", str(target), "--eval-every", "2", *extra, *flags])  # fmt: skip
-        if commit:
+        if commit_it:
             commit([warm], f"{warm.relative_to(ROOT)}: the warm start of snr_gap's {name}")
     return warm
 

@@ -96,3 +96,28 @@ def test_readings_reads_stability_s_arms_in_their_order():
     import stability
 
     assert readings.STABILITY_ARMS == tuple(stability.ARMS)
+
+
+def _shadowed_imports(tree: ast.Module) -> list[str]:
+    """Names imported at module level that a function parameter or a for-loop target rebinds inside a function."""
+    imported = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        arguments = function.args
+        names = [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+        for loop in (n for n in ast.walk(function) if isinstance(n, ast.For)):
+            names += [t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)]
+        found += [f"{function.name}: {name}" for name in names if name in imported]
+    return found
+
+
+def test_no_function_rebinds_an_imported_name():
+    """A parameter or loop variable named like an imported function hides it (``commit: bool`` then ``commit([...])``
+    calls the bool): no driver does that."""
+    sample = ast.parse("from common import commit\ndef f(commit=False):\n    for commit in []: pass\n")
+    assert _shadowed_imports(sample) == ["f: commit", "f: commit"]
+    for path in sorted(EXPERIMENTS.glob("*.py")) + sorted((EXPERIMENTS / "common").glob("*.py")):
+        assert _shadowed_imports(ast.parse(path.read_text(encoding="utf-8"))) == [], path.name
