@@ -65,8 +65,11 @@ def base_tree(commit: str, folder: Path) -> Path:
     return folder
 
 
-def run_worker(tree: Path, shape: tuple[int, int, int], estimator: str, repeats: int, threads: int) -> dict:
+def run_worker(
+    tree: Path, shape: tuple[int, int, int], estimator: str, repeats: int, threads: int, extra_env: dict[str, str]
+) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(extra_env)
     args = [sys.executable, __file__, "--worker", *map(str, shape), estimator, str(repeats), str(threads)]
     out = subprocess.run(args, capture_output=True, text=True, env=env, check=True, cwd=tempfile.gettempdir())
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,7 +83,7 @@ def compare(args, base: Path, shape, estimator: str, out) -> dict:
         record = dict(shape=list(shape), estimator=estimator, round=round_)
         for name in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
             record[f"{name}_load_1min"] = os.getloadavg()[0]
-            result = run_worker(trees[name], shape, estimator, args.repeats, args.threads)
+            result = run_worker(trees[name], shape, estimator, args.repeats, args.threads, args.worker_env)
             record[f"{name}_seconds"] = result["median_seconds"]
             record[f"{name}_otb_ref"] = result["otb_ref"]  # which tree the process imported
         record["head_over_base"] = record["head_seconds"] / record["base_seconds"]
@@ -113,8 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test, not a measurement)")
     parser.add_argument("--allow-load", action="store_true", help="run although the machine is loaded")
     parser.add_argument("--out", help="also append the JSON records to this file")
+    parser.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in both trees' processes (a diagnosis: e.g. MALLOC_TRIM_THRESHOLD_, OMP_WAIT_POLICY)",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if any("=" not in item for item in args.worker_env):
+        parser.error("--worker-env: expected NAME=VALUE")
+    args.worker_env = dict(item.split("=", 1) for item in args.worker_env)
     if args.worker:
         batch, length, group, estimator, repeats, threads = args.worker
         print(json.dumps(worker(int(batch), int(length), int(group), estimator, int(repeats), int(threads))))
@@ -128,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (closed below)
     from harness import provenance
 
-    emit(dict(provenance(), base=args.base, threads=args.threads, cpu=_cpu(), load_1min=load), out)
+    header = dict(provenance(), base=args.base, threads=args.threads, cpu=_cpu(), load_1min=load)
+    emit(dict(header, worker_env=args.worker_env) if args.worker_env else header, out)
     with tempfile.TemporaryDirectory() as folder:
         base = base_tree(args.base, Path(folder))
         for shape in SHAPES_QUICK if args.quick else SHAPES:

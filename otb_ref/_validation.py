@@ -10,7 +10,7 @@ Two kinds of checks, with ``_checks``' primitives (messages that start with the 
   the same rows, so the check's min/max reductions and the formula read a block that sits in cache (the CPU blocks
   hold ~2^17 elements): one pass over the inputs, not a validation pass and then a compute pass.
 
-This module does no arithmetic on values beyond range checks (min, max, comparisons, the mask's ``Σ m(1 − m)``);
+This module does no arithmetic on values beyond range checks (min, max, comparisons, the mask's ``Σ frac(m)``);
 it never modifies an input.
 """
 
@@ -116,15 +116,16 @@ def _host_read(stats: list[torch.Tensor]) -> list[float]:
 
 
 def _mask_stats(raw_mask: torch.Tensor) -> list[torch.Tensor]:
-    """``[min, max, Σ m(1 − m)]`` of a non-bool mask, in its own dtype (ints as float64); ``[]`` for bool."""
+    """``[min, max, Σ frac(m)]`` of a non-bool mask, in its own dtype (ints as float64); ``[]`` for bool."""
     if raw_mask.dtype == torch.bool or not raw_mask.numel():
         return []
     as_float = raw_mask if raw_mask.is_floating_point() else raw_mask.double()
-    return [*torch.aminmax(as_float), torch.sum(as_float * (1.0 - as_float))]
+    return [*torch.aminmax(as_float), torch.sum(torch.frac(as_float))]
 
 
 def _mask_is_binary(stats: list[float]) -> bool:
-    """Binary iff every entry lies in [0, 1] and Σ m(1 − m) = 0 (each term is >= 0)."""
+    """Binary iff every entry lies in [0, 1] and Σ frac(m) = 0 (on [0, 1] each term is >= 0, and 0 only at 0
+    and 1; a sum of terms >= 0 is 0 only if every term is)."""
     return _Range(0.0, 1.0, low_inclusive=True).holds(stats[:2]) and stats[2] == 0.0
 
 

@@ -121,21 +121,17 @@ class _GroupSums(NamedTuple):
 
 def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
     """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes), with
-    ``x̄ = Σ x / n``. ``B = x̄`` where ``Σ a + ε ≤ 0``; 0 where ``n = 0``. A convex combination of the members'
-    values (THEORY §3)."""
-    mean = torch.where(sums.members > 0, sums.total / sums.members.clamp(min=1), 0.0)  # x̄
+    ``x̄ = Σ x / n`` (0 where ``n = 0``: the sum is then 0). ``B = x̄`` where ``Σ a + ε`` is 0 (every ``a ≥ 0``:
+    only with ``ε = 0``). A convex combination of the members' values (THEORY §3)."""
+    mean = sums.total / sums.members.clamp(min=1)  # x̄
     denominator = sums.weight + epsilon
-    positive = denominator > 0
-    return torch.where(positive, (sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)
+    if epsilon > 0:  # Σ a ≥ 0 (a leave-one-out difference too: a rounded sum of terms ≥ 0 is ≥ each of them)
+        return (sums.weighted + epsilon * mean) / denominator
+    return torch.where(denominator > 0, sums.weighted / denominator, mean)  # (0/0 where it is not taken)
 
 
 def _std_scale(
-    centred: torch.Tensor,
-    alive: torch.Tensor,
-    groups: _GroupBlock,
-    applies: torch.Tensor,
-    epsilon: float,
-    sums: _GroupSums,
+    centred: torch.Tensor, alive: torch.Tensor, groups: _GroupBlock, epsilon: float, sums: _GroupSums
 ) -> torch.Tensor:
     """``[b]`` factor ``1/(σ_g + ε)`` of std scaling (fp64), σ_g the group's pooled within-position unbiased std of
     what its baseline centres (``R`` [b, 1], or ``G_t`` [b, T]) over its ``alive`` entries (0/1, fp64), from the
@@ -143,20 +139,20 @@ def _std_scale(
 
         σ_g² = Σ_p Σ_{j ∈ g} a_jp (x_jp − x̄_gp)² / Σ_p (n_gp − 1)₊,   x̄_gp = total / members (0 where no member).
 
-    1 where it does not ``apply`` [b], or the group's alive values are equal at every position (zero spread,
-    decided exactly by max > min: no division of an ε residue by ε)."""
+    1 where the group's alive values are equal at every position (zero spread, decided exactly by max > min: no
+    division of an ε residue by ε); a group of one alive row has none, and a row with nothing alive has advantage 0."""
     group, members = groups.group, sums.members
-    mean = torch.where(members > 0, sums.total / members.clamp(min=1), 0.0)  # x̄_gp
+    mean = sums.total / members.clamp(min=1)  # x̄_gp (0 where no member: the total is then 0)
     deviations = groups.sum(alive * (centred - mean[group]).square()).sum(-1)  # [g]
     dof = (members - 1).clamp(min=0).sum(-1)  # Σ_p (n_gp − 1)₊
-    sd = torch.where(dof > 0, deviations / dof.clamp(min=1), 0.0).sqrt()[group] + epsilon
+    sd = (deviations / dof.clamp(min=1)).sqrt()[group] + epsilon  # (no degree of freedom: no deviation either)
     live, rows = alive > 0, group[:, None].expand_as(centred)
     highest = centred.new_full(members.shape, -math.inf).scatter_reduce_(
         0, rows, centred.where(live, -math.inf), "amax"
     )
     lowest = centred.new_full(members.shape, math.inf).scatter_reduce_(0, rows, centred.where(live, math.inf), "amin")
     spread = (highest > lowest).any(-1)[group]
-    return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
+    return torch.where(spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)
 
 
 def _generated_token_rank(mask: torch.Tensor) -> torch.Tensor:
@@ -285,20 +281,32 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
 def _rows_output(
     num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put`)."""
+    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put_masked`)."""
     return None if num_blocks == 1 else torch.empty(shape, dtype=dtype, device=device)
 
 
-def _put(out: torch.Tensor | None, rows: slice | torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out[rows] = value`` rounded to ``dtype`` once; with one block (``out is None``) the block's value is the
-    output."""
-    if out is None:
-        return value.to(dtype)
+def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
+    """``out[rows] = value``, rounded to ``out``'s dtype once, as it is written."""
     if isinstance(rows, slice):
-        out[rows].copy_(value)  # rounded as it is copied
+        out[rows].copy_(value)
     else:
-        out[rows] = value.to(dtype)
-    return out
+        out[rows] = value.to(out.dtype)
+
+
+def _put_difference(
+    out: torch.Tensor, groups: _GroupBlock, G: torch.Tensor, baseline_of_group: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """``out[rows] = (G − B[group]) m`` [b, T], ``G − B`` rounded once as it is written (``mask`` in ``out``'s
+    dtype); with equal runs of rows ``B`` is broadcast from the group's row, not gathered."""
+    target = out[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(mask)
+    if groups.equal:
+        n, length = groups.equal, G.shape[1]
+        torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
+    else:
+        torch.sub(G, baseline_of_group[groups.group], out=target)
+    target.mul_(mask)
+    if not isinstance(groups.rows, slice):
+        out[groups.rows] = target
 
 
 def _put_masked(out: torch.Tensor | None, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor):
@@ -354,27 +362,29 @@ def _sequence_advantages(
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
     advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
     returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    # fp64 rows that every block reuses (no allocator traffic per block)
+    workspace = torch.empty((max(b.group.shape[0] for b in blocks), length), dtype=_GROUP_DTYPE, device=device)
     for groups in blocks:
-        block = _read_block(spec, inputs, groups.rows)
-        rewards = block.rewards.flip(-1)  # R = G_0 [b], summed from the end (as G_t: ties stay exact)
-        R = rewards.to(_GROUP_DTYPE).cumsum_(-1)[:, -1] if length else rewards.sum(-1, dtype=_GROUP_DTYPE)
+        block, work = _read_block(spec, inputs, groups.rows), workspace[: groups.group.shape[0]]
+        # R = G_0 [b], summed from the end (as G_t: ties stay exact)
+        R = work.copy_(block.rewards.flip(-1)).cumsum_(-1)[:, -1].clone() if length else work.sum(-1)
         if block.norms is not None:
             v = block.norms.to(_GROUP_DTYPE)  # v = ||S||²
         elif block.w is not None:
-            v = block.w.sum(dim=-1, dtype=_GROUP_DTYPE)  # v = Σ_t w_t
+            v = work.copy_(block.w).sum(dim=-1)  # v = Σ_t w_t
         else:
             v = torch.ones_like(R)  # uniform: 1
-        group, ones = groups.group, torch.ones_like(R)
-        own = _GroupSums(members=ones, weighted=v * R, weight=v, total=R)  # each row's own terms [b]
-        sums = _GroupSums(*(_segment_sum(x, group, groups.size) for x in own))  # [g]
-        at = _GroupSums(*(s[group] for s in sums))  # each row's group's sums [b]
+        own = torch.stack([torch.ones_like(R), v * R, v, R], dim=1)  # each row's own terms [b, 4]
+        sums = _GroupSums(*_segment_sum(own, groups.group, groups.size).unbind(1))  # [g]
+        at = _GroupSums(*(s[groups.group] for s in sums))  # each row's group's sums [b]
         if spec.leave_one_out:
-            at = at.minus(own)
-        in_group = sums.members[group] >= 2  # [b]
+            at = at.minus(_GroupSums(*own.unbind(1)))
+        in_group = sums.members[groups.group] >= 2  # [b]
         advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
-            advantage = advantage * _std_scale(R[:, None], ones[:, None], groups, in_group, epsilon, per_coordinate)
+            alive = torch.ones_like(R)[:, None]
+            advantage = advantage * _std_scale(R[:, None], alive, groups, epsilon, per_coordinate)
         advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
         returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
@@ -395,15 +405,22 @@ def _token_advantages(
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
-    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
-    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
+    # fp64 rows that every block reuses (no allocator traffic per block): W G, W, m G (summed in one call), m, G
+    workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
     for block in blocks:
-        advantage, returns_to_go = _token_block(
-            spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon
-        )
-        advantages = _put(advantages, block.rows, advantage, dtype)
-        returns = _put(returns, block.rows, returns_to_go, dtype)
-    return advantages, returns
+        work = workspace[: block.group.shape[0]]
+        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, outputs, work)
+    return outputs[0], outputs[1]
+
+
+def _realized_energy(block: _Block, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``W_t`` [b, T] in ``out`` (fp64): ``Σ_{j≤t} w_j`` zero off the mask, ``||S_t||²`` as given, or 1 while alive."""
+    if block.W is not None:
+        return out.copy_(block.W)  # ||S_t||², checked and zero off the mask
+    if block.w is not None:
+        return out.copy_(block.w).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
+    return out.copy_(mask)  # uniform: W_t = 1 while alive
 
 
 def _token_block(
@@ -414,30 +431,33 @@ def _token_block(
     handle_zero_tail: bool,
     epsilon: float,
     baseline_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[b, T]`` (``_GROUP_DTYPE``) of one block of whole groups."""
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    work: torch.Tensor,
+) -> None:
+    """Advantages and returns of one block of whole groups into ``outputs`` ([B, T] each, rounded there, once);
+    ``work`` [b, 5, T] fp64 scratch."""
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
-    lengths = block.mask.sum(dim=-1).long()  # generated tokens per row
-    mask = block.mask.to(_GROUP_DTYPE)
-    G = block.rewards.flip(-1).to(_GROUP_DTYPE).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
-    if block.W is not None:
-        W = block.W.to(_GROUP_DTYPE)  # ||S_t||², checked and zero off the mask
-    elif block.w is not None:
-        W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)  # W_t = Σ_{j≤t} w_j, 0 off the mask
-    else:
-        W = mask  # uniform: W_t = 1 while alive
+    mask = work[:, 3].copy_(block.mask)
+    G = work[:, 4].copy_(block.rewards.flip(-1)).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
+    _put(outputs[1], groups.rows, G)
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
-    m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G)) if multi_turn else (mask, W, G)
-    product = W_s * G_s  # one buffer for both products: Σ W G is summed before m G overwrites it
-    weighted = groups.sum(product)
-    sums = _GroupSums(
-        members=groups.sum(m_s),
-        weighted=weighted,
-        weight=groups.sum(W_s),
-        total=groups.sum(torch.mul(m_s, G_s, out=product)),
-    )  # [g, T]
-    counted = lengths > 0 if multi_turn else torch.ones_like(lengths, dtype=torch.bool)
+    terms = work[:, :3]  # each row's terms of its group's sums: W G, W, m G
+    if multi_turn:
+        W = _realized_energy(block, mask, torch.empty_like(G))
+        m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G))
+        members = groups.sum(m_s)
+        terms[:, 1].copy_(W_s)
+    else:
+        m_s, W_s, G_s = mask, _realized_energy(block, mask, terms[:, 1]), G
+        W = W_s
+        members = groups.sum(block.mask).to(_GROUP_DTYPE)  # counts: exact in any float dtype
+    torch.mul(W_s, G_s, out=terms[:, 0])
+    torch.mul(m_s, G_s, out=terms[:, 2])
+    summed = groups.sum(terms)  # [g, 3, T], one call
+    sums = _GroupSums(members, weighted=summed[:, 0], weight=summed[:, 1], total=summed[:, 2])  # [g, T]
+    lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
+    counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
     counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway).
@@ -445,10 +465,13 @@ def _token_block(
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
-        others = at.minus(_GroupSums(members=mask, weighted=W * G, weight=W, total=mask * G))
-        baseline = _baseline_from_sums(others, baseline_epsilon) * group_has_baseline[group, None]
+        own = _GroupSums(mask, *terms.unbind(1)) if not multi_turn else _GroupSums(mask, W * G, W, mask * G)
+        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon) * group_has_baseline[group, None]
     else:
         baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
+            _put_difference(outputs[0], groups, G, baseline_of_group, block.mask)
+            return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
@@ -456,9 +479,8 @@ def _token_block(
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
     if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
-        applies = counted & (counts[group] >= 2)
-        advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])
-    return advantage, G
+        advantage.mul_(_std_scale(G_s, m_s, groups, epsilon, sums)[:, None])
+    _put(outputs[0], groups.rows, advantage)
 
 
 # ---------------------------------------------------------------------------

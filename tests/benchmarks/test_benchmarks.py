@@ -63,6 +63,7 @@ def test_advantages_vs_commit_quick_times_both_trees(tmp_path):
             "--repeats=1",
             "--estimator=otb",
             "--base=HEAD",
+            "--worker-env=OTB_BENCH_PROBE=a=b",
             f"--out={tmp_path / 'records.jsonl'}",
         ],
         check=True,
@@ -72,6 +73,7 @@ def test_advantages_vs_commit_quick_times_both_trees(tmp_path):
     )
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert records == [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert records[0]["worker_env"] == {"OTB_BENCH_PROBE": "a=b"}  # the header says what the workers were given
     rounds = [r for r in records if "round" in r]
     assert len(rounds) == 2 and len([r for r in records if r.get("summary")]) == 2
     for record in rounds:
@@ -79,3 +81,13 @@ def test_advantages_vs_commit_quick_times_both_trees(tmp_path):
         assert not Path(record["base_otb_ref"]).is_relative_to(ROOT)
         assert record["head_seconds"] > 0 and record["base_seconds"] > 0 and "base_load_1min" in record
     assert records[0]["base"] == "HEAD" and records[0]["threads"] == 2
+
+
+def test_advantages_vs_commit_refuses_a_worker_env_without_a_value():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "advantages_vs_commit.py"), "--quick", "--worker-env=NO_VALUE"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--worker-env: expected NAME=VALUE" in out.stderr

@@ -236,6 +236,22 @@ def test_empty_rows_get_zero_advantage_and_inputs_are_untouched(batch, name):
         assert torch.equal(v, batch.inputs[k]), k
 
 
+@given(rollout_batches(), st.sampled_from(sorted(ESTIMATORS)))
+def test_values_off_the_mask_stay_in_the_callers_tensors(batch, name):
+    """Finite values off the mask are dropped by multiplying by the mask: on the function's own copies, never in
+    place on the caller's tensors (which may hold anything there)."""
+    off = batch.mask == 0
+    fill = {"old_log_probs": -0.5}  # every input's range holds 0.5, log-probabilities' holds -0.5
+    rewards = batch.rewards.masked_fill(off, 0.5)
+    inputs = {k: v.masked_fill(off, fill.get(k, 0.5)) if v.dim() == 2 else v for k, v in batch.inputs.items()}
+    before = {k: v.clone() for k, v in inputs.items()}
+    kept = rewards.clone()
+    compute_advantages(name, rewards, batch.mask, batch.index, **inputs)
+    assert torch.equal(rewards, kept)
+    for k, v in before.items():
+        assert torch.equal(v, inputs[k]), k
+
+
 @given(rollout_batches(string_ids=False))
 def test_index_forms_agree(batch):
     """A list, a numpy array, an int tensor and string ids give identical results."""
