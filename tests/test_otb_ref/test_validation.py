@@ -219,6 +219,19 @@ def test_is_weights_bound_is_the_largest_whose_squared_sums_stay_finite(batch_si
         compute_advantages("otb", rewards, mask, [0] * batch_size, rollout_is_weights=above, **inputs)
 
 
+@pytest.mark.parametrize("outlier", [2.0, -1.0, 3.0, -2.0])
+def test_a_mask_with_an_integer_outside_0_1_is_refused(outlier):
+    """Σ frac(m) = 0 holds for every integer entry: the binary test rests on min ≥ 0 and max ≤ 1 for an otherwise
+    binary mask with one entry of 2, −1, 3 or −2."""
+    mask = torch.ones(B * T)
+    mask[1], mask[2] = 0.0, outlier
+    mask = mask.reshape(B, T)
+    assert float(torch.frac(mask).sum()) == 0.0
+    good = _good()
+    with pytest.raises(ValueError, match="^response_mask: .*0 and 1"):
+        compute_advantages("otb", good["token_level_rewards"], mask, good["index"], **_otb_inputs(good))
+
+
 @pytest.mark.parametrize("outlier, halves", [(2.0, 8), (-0.5, 3)])
 def test_a_mask_whose_non_binary_terms_cancel_is_refused(outlier, halves):
     """Σ m(1 − m) = 0 means binary only when every entry lies in [0, 1]: entries of 0.5 (+0.25 each) and one of 2
