@@ -1,4 +1,4 @@
-"""experiments/equal_rate.py and the code stamp of experiments/common.py: the quick mode (records with their code,
+"""experiments/equal_rate.py and the code stamp of experiments/common/: the quick mode (records with their code,
 resume, report), the refusals without a committed rule, the seeds, r from issue 28's records, the exact tests and
 the verdict rule on synthetic records (each outcome), never the verdict itself."""
 
