@@ -121,6 +121,37 @@ def test_readable_zero_tail_with_tied_longest_responses_and_holes(leave_one_out)
         assert float(fast[0][1, 3]) == 0.0
 
 
+def test_readable_zero_tail_after_a_group_of_one():
+    """A group of one (no tail) listed before a group with a unique longest response: the second group's tail is
+    still zeroed (the groups are independent), as in the fast path."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    fast = compute_advantages("token_mean", rewards, mask, [0, 1, 1], handle_zero_tail=True)
+    plain = readable.advantages("token_mean", rewards, mask, [0, 1, 1], handle_zero_tail=True)
+    for got, want in zip(fast, plain):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert float(plain[0][1, 3]) == 1.0  # alone at position 3 beyond the other's length: baseline zeroed, A = G_3
+
+
+@pytest.mark.parametrize("name", ["otb", "token_mean", "sequence_proxy"])
+def test_readable_std_scaling_leaves_equal_negative_returns_unscaled(name):
+    """Equal returns (here −0.7, negative) have zero spread: std scaling leaves their advantage, a rounding residue
+    of B − G, unscaled instead of amplifying it by 1/ε; positions no response reaches (T = 5 > every length) take no
+    part in the spread. Energies of 0.1, 0.2, 0.3 make the residue nonzero."""
+    rewards = torch.zeros(3, 5, dtype=torch.float64)
+    rewards[:, 3] = -0.7
+    mask = torch.zeros(3, 5, dtype=torch.float64)
+    mask[:, :4] = 1.0
+    log_probs = torch.log(torch.tensor([0.9, 0.8, 0.7], dtype=torch.float64))[:, None].expand(3, 5).contiguous()
+    inputs = dict(old_log_probs=log_probs, sum_pi_squared=log_probs.exp().square())
+    inputs = inputs if ESTIMATORS[name].energy == "proxy" else {}
+    flags = dict(std_normalize=True, epsilon=1e-8)
+    fast = compute_advantages(name, rewards, mask, [0, 0, 0], **inputs, **flags)[0]
+    plain = readable.advantages(name, rewards, mask, [0, 0, 0], **inputs, **flags)[0]
+    torch.testing.assert_close(plain, fast, rtol=0, atol=1e-12)
+    assert float(plain.abs().max()) < 1e-12
+
+
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_readable_ignores_whatever_stands_off_the_mask_and_takes_zero_positions(name):
     """NaN and inf off the mask (every [B, T] input, IS weights included) change nothing, as in the fast path;
