@@ -35,7 +35,8 @@ checks that the names exist):
 
     per-token energy w_t, the clamp, ρ̄_t²        _per_token_energy (token_energy: F6's one definition)
     values off the mask ignored                   _apply_mask
-    W_t, G_t (from the end)                       _token_block
+    W_t                                           _realized_energy
+    G_t (from the end)                            _token_block
     v, R                                          _sequence_advantages
     the group's members and their sums            _GroupSums, _GroupBlock.sum
     the baseline, ε shared, Ḡ where Σ a + ε = 0   _baseline_from_sums
@@ -301,10 +302,10 @@ def _put_difference(
     target = out[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(mask)
     if groups.equal:
         n, length = groups.equal, G.shape[1]
-        torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
+        G.view(-1, n, length).sub_(baseline_of_group[:, None, :])
     else:
-        torch.sub(G, baseline_of_group[groups.group], out=target)
-    target.mul_(mask)
+        G.sub_(baseline_of_group[groups.group])
+    target.copy_(G).mul_(mask)
     if not isinstance(groups.rows, slice):
         out[groups.rows] = target
 
@@ -406,7 +407,7 @@ def _token_advantages(
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
     outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
-    # fp64 rows that every block reuses (no allocator traffic per block): W G, W, m G (summed in one call), m, G
+    # fp64 rows that every block reuses (no allocator traffic per block): W G, m G, W, m (summed in one call), G
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
     for block in blocks:
         work = workspace[: block.group.shape[0]]
@@ -442,33 +443,35 @@ def _token_block(
     G = work[:, 4].copy_(block.rewards.flip(-1)).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
     _put(outputs[1], groups.rows, G)
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
-    terms = work[:, :3]  # each row's terms of its group's sums: W G, W, m G
-    if multi_turn:
-        W = _realized_energy(block, mask, torch.empty_like(G))
-        m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G))
-        members = groups.sum(m_s)
-        terms[:, 1].copy_(W_s)
+    if multi_turn:  # the terms at their slots, in scratch of their own (the natural mask stays in work[:, 3])
+        W, terms = _realized_energy(block, mask, torch.empty_like(G)), torch.empty_like(work[:, :4])
+        G_s = _to_slots(G, slot)
+        terms[:, 2], terms[:, 3] = _to_slots(W, slot), _to_slots(mask, slot)
     else:
-        m_s, W_s, G_s = mask, _realized_energy(block, mask, terms[:, 1]), G
-        W = W_s
-        members = groups.sum(block.mask).to(_GROUP_DTYPE)  # counts: exact in any float dtype
-    torch.mul(W_s, G_s, out=terms[:, 0])
-    torch.mul(m_s, G_s, out=terms[:, 2])
-    summed = groups.sum(terms)  # [g, 3, T], one call
-    sums = _GroupSums(members, weighted=summed[:, 0], weight=summed[:, 1], total=summed[:, 2])  # [g, T]
+        G_s, terms = G, work[:, :4]
+        W = _realized_energy(block, mask, terms[:, 2])
+    m_s = terms[:, 3]
+    torch.mul(terms[:, 2:], G_s[:, None], out=terms[:, :2])  # each row's terms of its group's sums: W G, m G, W, m
+    summed = groups.sum(terms)  # [g, 4, T], one call
+    sums = _GroupSums(members=summed[:, 3], weighted=summed[:, 0], weight=summed[:, 2], total=summed[:, 1])
     lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
     counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
-    counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
-    # (uncounted rows are empty: their advantage is zero anyway).
-    group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [g]
+    # (uncounted rows are empty: their advantage is zero anyway); equal runs of n >= 2 rows, all counted: every group.
+    every_group = groups.equal >= 2 and not multi_turn
+    counts = groups.sum(counted.long()) if handle_zero_tail or not every_group else None  # [g]
+    group_has_baseline = None if every_group else (counts >= 2).to(_GROUP_DTYPE)  # [g]
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
-        own = _GroupSums(mask, *terms.unbind(1)) if not multi_turn else _GroupSums(mask, W * G, W, mask * G)
-        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon) * group_has_baseline[group, None]
+        own = _GroupSums(mask, W * G, W, mask * G) if multi_turn else _GroupSums(m_s, terms[:, 0], W, terms[:, 1])
+        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon)
+        if group_has_baseline is not None:
+            baseline.mul_(group_has_baseline[group, None])
     else:
-        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon)  # [g, T]
+        if group_has_baseline is not None:
+            baseline_of_group.mul_(group_has_baseline[:, None])
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
             _put_difference(outputs[0], groups, G, baseline_of_group, block.mask)
             return
