@@ -91,7 +91,9 @@ def compare(args, base: Path, shape, estimator: str, out) -> dict:
         record = dict(shape=list(shape), estimator=estimator, round=round_)
         for name in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
             record[f"{name}_load_1min"] = os.getloadavg()[0]
-            env = dict(args.worker_env, **({"OTB_BENCH_GROUP_DTYPE": args.head_group_dtype} if name == "head" else {}))
+            env = dict(args.worker_env)
+            if name == "head" and args.head_group_dtype:
+                env["OTB_BENCH_GROUP_DTYPE"] = args.head_group_dtype
             result = run_worker(trees[name], shape, estimator, args.repeats, args.threads, env)
             record[f"{name}_seconds"] = result["median_seconds"]
             record[f"{name}_otb_ref"] = result["otb_ref"]  # which tree the process imported
