@@ -171,9 +171,12 @@ def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 # Reading the inputs block by block (checks ride along on data in cache).
 # ---------------------------------------------------------------------------
 
-# Elements per block on CPU: the block's ~10 temporaries (fp64) stay in cache.
-# Accelerators take all rows at once.
+# Elements per block on CPU: a token block's five fp64 rows of scratch per row (and its reads) stay in cache; a
+# sequence block keeps one fp64 row per row and takes _SEQUENCE_BLOCK_FACTOR times as many elements (each setting
+# the fastest of a sweep on a 2-core EPYC VM). Accelerators take all rows at once. Speed settings: every budget gives
+# the one-block numbers (tested).
 _CPU_BLOCK_ELEMENTS = 1 << 17
+_SEQUENCE_BLOCK_FACTOR = 4
 
 
 class _GroupBlock(NamedTuple):
@@ -192,12 +195,12 @@ class _GroupBlock(NamedTuple):
 
 
 def _group_blocks(
-    group: torch.Tensor, num_groups: int, batch_size: int, length: int, device: torch.device
+    group: torch.Tensor, num_groups: int, batch_size: int, length: int, device: torch.device, elements: int
 ) -> list[_GroupBlock]:
     """The batch as blocks of whole groups: one on accelerators (or when it fits one block); on CPU consecutive
-    groups (numbered by first appearance) up to ~``_CPU_BLOCK_ELEMENTS`` elements a block, a larger group alone.
+    groups (numbered by first appearance) up to ~``elements`` elements a block, a larger group alone.
     Groups laid out as runs of rows (as trainers lay them out) give slices; interleaved groups, row numbers."""
-    if device.type != "cpu" or batch_size * length <= _CPU_BLOCK_ELEMENTS or num_groups == 0:
+    if device.type != "cpu" or batch_size * length <= elements or num_groups == 0:
         return [_GroupBlock(slice(0, batch_size), group, num_groups, 0)]
     rows = torch.arange(batch_size)
     first = torch.full((num_groups,), batch_size).scatter_reduce_(0, group, rows, "amin")  # first row of each group
@@ -209,7 +212,7 @@ def _group_blocks(
     runs = (ordered[1:] >= ordered[:-1]).all()
     plan = torch.cat([starts, sizes, runs.long()[None]]).tolist()  # one host read
     starts, sizes, runs = plan[:num_groups], plan[num_groups:-1], bool(plan[-1])
-    per_block, blocks, first_group = max(1, _CPU_BLOCK_ELEMENTS // max(length, 1)), [], 0
+    per_block, blocks, first_group = max(1, elements // max(length, 1)), [], 0
     sorted_groups = ordered if runs else ordered[order]
     while first_group < num_groups:
         end_group = first_group + 1
@@ -280,10 +283,12 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
 
 
 def _rows_output(
-    num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    blocks: list[_GroupBlock], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put_masked`)."""
-    return None if num_blocks == 1 else torch.empty(shape, dtype=dtype, device=device)
+    """Buffer for an output assembled from blocks, or ``None`` for one block of the rows in order (see
+    :func:`_put_masked`)."""
+    one = len(blocks) == 1 and isinstance(blocks[0].rows, slice)
+    return None if one else torch.empty(shape, dtype=dtype, device=device)
 
 
 def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
@@ -360,9 +365,10 @@ def _sequence_advantages(
     whole groups (:func:`_group_blocks`)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
-    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
-    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    elements = _CPU_BLOCK_ELEMENTS * _SEQUENCE_BLOCK_FACTOR
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, elements)
+    advantages = _rows_output(blocks, (batch_size, length), dtype, device)
+    returns = _rows_output(blocks, (batch_size, length), dtype, device)
     # fp64 rows that every block reuses (no allocator traffic per block)
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), length), dtype=_GROUP_DTYPE, device=device)
     for groups in blocks:
@@ -376,12 +382,14 @@ def _sequence_advantages(
         else:
             v = torch.ones_like(R)  # uniform: 1
         own = torch.stack([torch.ones_like(R), v * R, v, R], dim=1)  # each row's own terms [b, 4]
-        sums = _GroupSums(*_segment_sum(own, groups.group, groups.size).unbind(1))  # [g]
-        at = _GroupSums(*(s[groups.group] for s in sums))  # each row's group's sums [b]
-        if spec.leave_one_out:
-            at = at.minus(_GroupSums(*own.unbind(1)))
-        in_group = sums.members[groups.group] >= 2  # [b]
-        advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
+        sums = _GroupSums(*groups.sum(own).unbind(1))  # [g]
+        in_group = sums.members >= 2  # [g]
+        if spec.leave_one_out:  # the others: each row's group's sums minus its own terms [b]
+            at = _GroupSums(*(s[groups.group] for s in sums)).minus(_GroupSums(*own.unbind(1)))
+            baseline = torch.where(in_group[groups.group], _baseline_from_sums(at, baseline_epsilon), 0.0)
+        else:
+            baseline = torch.where(in_group, _baseline_from_sums(sums, baseline_epsilon), 0.0)[groups.group]
+        advantage = R - baseline  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
             alive = torch.ones_like(R)[:, None]
@@ -405,7 +413,7 @@ def _token_advantages(
     (:func:`_group_blocks`), and each block is finished while in cache (:func:`_token_block`)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, _CPU_BLOCK_ELEMENTS)
     outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
     # fp64 rows that every block reuses (no allocator traffic per block): W G, m G, W, m (summed in one call), G
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
