@@ -337,15 +337,16 @@ def _at_slots(values: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
 
 
 def _zero_tail_start(
-    lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor, T: int
+    lengths: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor, T: int
 ) -> torch.Tensor:
     """``[B]``: the second-longest length of the group for its unique longest response, else ``T`` (no tail).
 
-    The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``).
+    The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``). Only groups of two or
+    more counted rows (``counts``) have one; an uncounted row (multi-turn, empty) has length 0, below every counted
+    row's, so it is never that response nor its second.
     """
-    lengths = torch.where(counted, lengths, -1)
     longest = lengths.new_full((num_groups,), -1).scatter_reduce_(0, group, lengths, "amax")  # [G]
-    is_longest = lengths == longest[group]  # [B] (uncounted rows have length -1)
+    is_longest = lengths == longest[group]  # [B]
     num_longest = _segment_sum(is_longest.long(), group, num_groups)  # [G]
     others = torch.where(is_longest, -1, lengths)
     second = others.new_full((num_groups,), -1).scatter_reduce_(0, group, others, "amax")  # [G]
@@ -485,7 +486,7 @@ def _token_block(
             return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
-        tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
+        tail_start = _zero_tail_start(lengths, group, groups.size, counts, length)
         token_position = back if multi_turn else torch.arange(length, device=mask.device)[None, :]
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
