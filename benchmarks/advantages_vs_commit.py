@@ -11,6 +11,10 @@ the 1-minute load average before each; the summary holds the median of the per-r
 shape and estimator. The shapes are the issue's: B = 2048, T = 4096, N = 8 and B = 16384, T = 512, N = 4.
 Refuses to run (exit 2) when the 1-minute load average is 1.0 or more, unless ``--allow-load``: on a loaded
 machine the same comparison swings by 2-4x.
+
+``--head-group-dtype float32`` is a diagnosis, not a measurement of otb_ref: this tree's fast path runs with its group
+arithmetic (``_GROUP_DTYPE``: W, G, v, the sums, σ, G − B) in fp32, against the precision rule, to separate what the
+fp64 rule costs from what the code's structure costs.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def worker(batch: int, length: int, group: int, estimator: str, repeats: int, th
     from harness import otb_inputs  # beside this file
 
     torch.set_num_threads(threads)
+    if os.environ.get("OTB_BENCH_GROUP_DTYPE"):  # --head-group-dtype (a diagnosis; this tree's process only)
+        import otb_ref.advantages as fast
+
+        fast._GROUP_DTYPE = getattr(torch, os.environ["OTB_BENCH_GROUP_DTYPE"])
     rewards, mask, index, log_probs, sum_pi_squared = otb_inputs(batch, length, group, torch.device("cpu"))
 
     def call():
@@ -83,7 +91,10 @@ def compare(args, base: Path, shape, estimator: str, out) -> dict:
         record = dict(shape=list(shape), estimator=estimator, round=round_)
         for name in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
             record[f"{name}_load_1min"] = os.getloadavg()[0]
-            result = run_worker(trees[name], shape, estimator, args.repeats, args.threads, args.worker_env)
+            env = dict(args.worker_env)
+            if name == "head" and args.head_group_dtype:
+                env["OTB_BENCH_GROUP_DTYPE"] = args.head_group_dtype
+            result = run_worker(trees[name], shape, estimator, args.repeats, args.threads, env)
             record[f"{name}_seconds"] = result["median_seconds"]
             record[f"{name}_otb_ref"] = result["otb_ref"]  # which tree the process imported
         record["head_over_base"] = record["head_seconds"] / record["base_seconds"]
@@ -123,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="set in both trees' processes (a diagnosis: e.g. MALLOC_TRIM_THRESHOLD_, OMP_WAIT_POLICY)",
     )
+    parser.add_argument(
+        "--head-group-dtype",
+        choices=["float32"],
+        help="a diagnosis: this tree's group arithmetic in this dtype, against the precision rule (see above)",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if any("=" not in item for item in args.worker_env):
@@ -142,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     from harness import provenance
 
     header = dict(provenance(), base=args.base, threads=args.threads, cpu=_cpu(), load_1min=load)
-    emit(dict(header, worker_env=args.worker_env) if args.worker_env else header, out)
+    if args.worker_env:
+        header["worker_env"] = args.worker_env
+    if args.head_group_dtype:
+        header["head_group_dtype"] = args.head_group_dtype  # a diagnosis: not otb_ref's precision rule
+    emit(header, out)
     with tempfile.TemporaryDirectory() as folder:
         base = base_tree(args.base, Path(folder))
         for shape in SHAPES_QUICK if args.quick else SHAPES:

@@ -35,7 +35,8 @@ checks that the names exist):
 
     per-token energy w_t, the clamp, ρ̄_t²        _per_token_energy (token_energy: F6's one definition)
     values off the mask ignored                   _apply_mask
-    W_t, G_t (from the end)                       _token_block
+    W_t                                           _realized_energy
+    G_t (from the end)                            _token_block
     v, R                                          _sequence_advantages
     the group's members and their sums            _GroupSums, _GroupBlock.sum
     the baseline, ε shared, Ḡ where Σ a + ε = 0   _baseline_from_sums
@@ -170,9 +171,12 @@ def _to_slots(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 # Reading the inputs block by block (checks ride along on data in cache).
 # ---------------------------------------------------------------------------
 
-# Elements per block on CPU: the block's ~10 temporaries (fp64) stay in cache.
-# Accelerators take all rows at once.
+# Elements per block on CPU: a token block's five fp64 rows of scratch per row (and its reads) stay in cache; a
+# sequence block keeps one fp64 row per row and takes _SEQUENCE_BLOCK_FACTOR times as many elements (each setting
+# the fastest of a sweep on a 2-core EPYC VM). Accelerators take all rows at once. Speed settings: every budget gives
+# the one-block numbers (tested).
 _CPU_BLOCK_ELEMENTS = 1 << 17
+_SEQUENCE_BLOCK_FACTOR = 4
 
 
 class _GroupBlock(NamedTuple):
@@ -191,12 +195,12 @@ class _GroupBlock(NamedTuple):
 
 
 def _group_blocks(
-    group: torch.Tensor, num_groups: int, batch_size: int, length: int, device: torch.device
+    group: torch.Tensor, num_groups: int, batch_size: int, length: int, device: torch.device, elements: int
 ) -> list[_GroupBlock]:
     """The batch as blocks of whole groups: one on accelerators (or when it fits one block); on CPU consecutive
-    groups (numbered by first appearance) up to ~``_CPU_BLOCK_ELEMENTS`` elements a block, a larger group alone.
+    groups (numbered by first appearance) up to ~``elements`` elements a block, a larger group alone.
     Groups laid out as runs of rows (as trainers lay them out) give slices; interleaved groups, row numbers."""
-    if device.type != "cpu" or batch_size * length <= _CPU_BLOCK_ELEMENTS or num_groups == 0:
+    if device.type != "cpu" or batch_size * length <= elements or num_groups == 0:
         return [_GroupBlock(slice(0, batch_size), group, num_groups, 0)]
     rows = torch.arange(batch_size)
     first = torch.full((num_groups,), batch_size).scatter_reduce_(0, group, rows, "amin")  # first row of each group
@@ -208,7 +212,7 @@ def _group_blocks(
     runs = (ordered[1:] >= ordered[:-1]).all()
     plan = torch.cat([starts, sizes, runs.long()[None]]).tolist()  # one host read
     starts, sizes, runs = plan[:num_groups], plan[num_groups:-1], bool(plan[-1])
-    per_block, blocks, first_group = max(1, _CPU_BLOCK_ELEMENTS // max(length, 1)), [], 0
+    per_block, blocks, first_group = max(1, elements // max(length, 1)), [], 0
     sorted_groups = ordered if runs else ordered[order]
     while first_group < num_groups:
         end_group = first_group + 1
@@ -279,10 +283,12 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
 
 
 def _rows_output(
-    num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    blocks: list[_GroupBlock], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """Buffer for an output assembled from blocks, or ``None`` for one block (see :func:`_put_masked`)."""
-    return None if num_blocks == 1 else torch.empty(shape, dtype=dtype, device=device)
+    """Buffer for an output assembled from blocks, or ``None`` for one block of the rows in order (see
+    :func:`_put_masked`)."""
+    one = len(blocks) == 1 and isinstance(blocks[0].rows, slice)
+    return None if one else torch.empty(shape, dtype=dtype, device=device)
 
 
 def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
@@ -301,10 +307,10 @@ def _put_difference(
     target = out[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(mask)
     if groups.equal:
         n, length = groups.equal, G.shape[1]
-        torch.sub(G.view(-1, n, length), baseline_of_group[:, None, :], out=target.view(-1, n, length))
+        G.view(-1, n, length).sub_(baseline_of_group[:, None, :])
     else:
-        torch.sub(G, baseline_of_group[groups.group], out=target)
-    target.mul_(mask)
+        G.sub_(baseline_of_group[groups.group])
+    target.copy_(G).mul_(mask)
     if not isinstance(groups.rows, slice):
         out[groups.rows] = target
 
@@ -331,15 +337,16 @@ def _at_slots(values: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
 
 
 def _zero_tail_start(
-    lengths: torch.Tensor, counted: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor, T: int
+    lengths: torch.Tensor, group: torch.Tensor, num_groups: int, counts: torch.Tensor, T: int
 ) -> torch.Tensor:
     """``[B]``: the second-longest length of the group for its unique longest response, else ``T`` (no tail).
 
-    The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``).
+    The baseline of that response is zeroed from this position on (§4, ``handle_zero_tail``). Only groups of two or
+    more counted rows (``counts``) have one; an uncounted row (multi-turn, empty) has length 0, below every counted
+    row's, so it is never that response nor its second.
     """
-    lengths = torch.where(counted, lengths, -1)
     longest = lengths.new_full((num_groups,), -1).scatter_reduce_(0, group, lengths, "amax")  # [G]
-    is_longest = lengths == longest[group]  # [B] (uncounted rows have length -1)
+    is_longest = lengths == longest[group]  # [B]
     num_longest = _segment_sum(is_longest.long(), group, num_groups)  # [G]
     others = torch.where(is_longest, -1, lengths)
     second = others.new_full((num_groups,), -1).scatter_reduce_(0, group, others, "amax")  # [G]
@@ -359,9 +366,10 @@ def _sequence_advantages(
     whole groups (:func:`_group_blocks`)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
-    advantages = _rows_output(len(blocks), (batch_size, length), dtype, device)
-    returns = _rows_output(len(blocks), (batch_size, length), dtype, device)
+    elements = _CPU_BLOCK_ELEMENTS * _SEQUENCE_BLOCK_FACTOR
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, elements)
+    advantages = _rows_output(blocks, (batch_size, length), dtype, device)
+    returns = _rows_output(blocks, (batch_size, length), dtype, device)
     # fp64 rows that every block reuses (no allocator traffic per block)
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), length), dtype=_GROUP_DTYPE, device=device)
     for groups in blocks:
@@ -375,12 +383,14 @@ def _sequence_advantages(
         else:
             v = torch.ones_like(R)  # uniform: 1
         own = torch.stack([torch.ones_like(R), v * R, v, R], dim=1)  # each row's own terms [b, 4]
-        sums = _GroupSums(*_segment_sum(own, groups.group, groups.size).unbind(1))  # [g]
-        at = _GroupSums(*(s[groups.group] for s in sums))  # each row's group's sums [b]
-        if spec.leave_one_out:
-            at = at.minus(_GroupSums(*own.unbind(1)))
-        in_group = sums.members[groups.group] >= 2  # [b]
-        advantage = R - torch.where(in_group, _baseline_from_sums(at, baseline_epsilon), 0.0)  # [b]
+        sums = _GroupSums(*groups.sum(own).unbind(1))  # [g]
+        in_group = sums.members >= 2  # [g]
+        if spec.leave_one_out:  # the others: each row's group's sums minus its own terms [b]
+            at = _GroupSums(*(s[groups.group] for s in sums)).minus(_GroupSums(*own.unbind(1)))
+            baseline = torch.where(in_group[groups.group], _baseline_from_sums(at, baseline_epsilon), 0.0)
+        else:
+            baseline = torch.where(in_group, _baseline_from_sums(sums, baseline_epsilon), 0.0)[groups.group]
+        advantage = R - baseline  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
             alive = torch.ones_like(R)[:, None]
@@ -404,9 +414,9 @@ def _token_advantages(
     (:func:`_group_blocks`), and each block is finished while in cache (:func:`_token_block`)."""
     batch_size, length = inputs.rewards.shape
     device, dtype = inputs.rewards.device, inputs.dtype
-    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device)
+    blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, _CPU_BLOCK_ELEMENTS)
     outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
-    # fp64 rows that every block reuses (no allocator traffic per block): W G, W, m G (summed in one call), m, G
+    # fp64 rows that every block reuses (no allocator traffic per block): W G, m G, W, m (summed in one call), G
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
     for block in blocks:
         work = workspace[: block.group.shape[0]]
@@ -442,39 +452,41 @@ def _token_block(
     G = work[:, 4].copy_(block.rewards.flip(-1)).cumsum_(-1).flip(-1)  # G_t = Σ_{k≥t} m_k r_k, from the end
     _put(outputs[1], groups.rows, G)
     slot = _generated_token_rank(mask) if multi_turn else None  # compare k-th generated tokens, not positions
-    terms = work[:, :3]  # each row's terms of its group's sums: W G, W, m G
-    if multi_turn:
-        W = _realized_energy(block, mask, torch.empty_like(G))
-        m_s, W_s, G_s = (_to_slots(x, slot) for x in (mask, W, G))
-        members = groups.sum(m_s)
-        terms[:, 1].copy_(W_s)
+    if multi_turn:  # the terms at their slots, in scratch of their own (the natural mask stays in work[:, 3])
+        W, terms = _realized_energy(block, mask, torch.empty_like(G)), torch.empty_like(work[:, :4])
+        G_s = _to_slots(G, slot)
+        terms[:, 2], terms[:, 3] = _to_slots(W, slot), _to_slots(mask, slot)
     else:
-        m_s, W_s, G_s = mask, _realized_energy(block, mask, terms[:, 1]), G
-        W = W_s
-        members = groups.sum(block.mask).to(_GROUP_DTYPE)  # counts: exact in any float dtype
-    torch.mul(W_s, G_s, out=terms[:, 0])
-    torch.mul(m_s, G_s, out=terms[:, 2])
-    summed = groups.sum(terms)  # [g, 3, T], one call
-    sums = _GroupSums(members, weighted=summed[:, 0], weight=summed[:, 1], total=summed[:, 2])  # [g, T]
+        G_s, terms = G, work[:, :4]
+        W = _realized_energy(block, mask, terms[:, 2])
+    m_s = terms[:, 3]
+    torch.mul(terms[:, 2:], G_s[:, None], out=terms[:, :2])  # each row's terms of its group's sums: W G, m G, W, m
+    summed = groups.sum(terms)  # [g, 4, T], one call
+    sums = _GroupSums(members=summed[:, 3], weighted=summed[:, 0], weight=summed[:, 2], total=summed[:, 1])
     lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
     counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
-    counts = groups.sum(counted.long())  # [g]
     # A baseline applies to counted rows of groups with two or more counted rows
-    # (uncounted rows are empty: their advantage is zero anyway).
-    group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [g]
+    # (uncounted rows are empty: their advantage is zero anyway); equal runs of n >= 2 rows, all counted: every group.
+    every_group = groups.equal >= 2 and not multi_turn
+    counts = groups.sum(counted.long()) if handle_zero_tail or not every_group else None  # [g]
+    group_has_baseline = None if every_group else (counts >= 2).to(_GROUP_DTYPE)  # [g]
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
-        own = _GroupSums(mask, *terms.unbind(1)) if not multi_turn else _GroupSums(mask, W * G, W, mask * G)
-        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon) * group_has_baseline[group, None]
+        own = _GroupSums(mask, W * G, W, mask * G) if multi_turn else _GroupSums(m_s, terms[:, 0], W, terms[:, 1])
+        baseline = _baseline_from_sums(at.minus(own), baseline_epsilon)
+        if group_has_baseline is not None:
+            baseline.mul_(group_has_baseline[group, None])
     else:
-        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon) * group_has_baseline[:, None]  # [g, T]
+        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon)  # [g, T]
+        if group_has_baseline is not None:
+            baseline_of_group.mul_(group_has_baseline[:, None])
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
             _put_difference(outputs[0], groups, G, baseline_of_group, block.mask)
             return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
-        tail_start = _zero_tail_start(lengths, counted, group, groups.size, counts, length)
+        tail_start = _zero_tail_start(lengths, group, groups.size, counts, length)
         token_position = back if multi_turn else torch.arange(length, device=mask.device)[None, :]
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer

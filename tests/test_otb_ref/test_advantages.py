@@ -365,16 +365,15 @@ _LAYOUTS = {
 @pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
 @pytest.mark.parametrize("budget", [1, 4 * 3, 7 * 3, 1 << 18])
-def test_group_blocks_hold_whole_groups_and_every_row_once(device, layout, budget, monkeypatch):
+def test_group_blocks_hold_whole_groups_and_every_row_once(device, layout, budget):
     """The fast path reads the batch in blocks of whole groups on CPU (about 2^18 elements each, a larger group
     alone) and whole on accelerators; each block's group numbers name its groups, and ``equal`` only where the
     block is runs of equally many rows."""
     from otb_ref import _checks, advantages
 
-    monkeypatch.setattr(advantages, "_CPU_BLOCK_ELEMENTS", budget)
     batch_size, length = len(_LAYOUTS[layout]), 3
     group, num_groups = _checks.group_ids(torch.tensor(_LAYOUTS[layout]), batch_size, torch.device("cpu"))
-    blocks = advantages._group_blocks(group, num_groups, batch_size, length, torch.device(device))
+    blocks = advantages._group_blocks(group, num_groups, batch_size, length, torch.device(device), budget)
     rows = [torch.arange(batch_size)[block.rows].tolist() for block in blocks]
     assert sorted(r for block in rows for r in block) == list(range(batch_size))
     if device != "cpu" or budget >= batch_size * length:
@@ -396,6 +395,31 @@ def test_group_blocks_hold_whole_groups_and_every_row_once(device, layout, budge
     if device == "cpu" and budget < batch_size * length:
         assert len(blocks) > 1
         assert all(isinstance(block.rows, slice) for block in blocks) == (layout != "interleaved")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "opo", "otb"])
+def test_one_block_of_interleaved_groups_puts_each_row_back(estimator, monkeypatch):
+    """A budget under the batch that still plans ONE block of interleaved groups (rows read group by group): the
+    outputs come back in the caller's row order (sequence estimators once returned them in the block's order)."""
+    from otb_ref import _checks, advantages
+
+    index, length = [0, 1, 0, 1, 0, 1], 2
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.randn(len(index), length, generator=g, dtype=torch.float64)
+    mask = torch.ones(len(index), length, dtype=torch.float64)
+    inputs = dict(
+        old_log_probs=-torch.rand(rewards.shape, generator=g, dtype=torch.float64),
+        sum_pi_squared=torch.rand(rewards.shape, generator=g, dtype=torch.float64) * 0.8 + 0.1,
+    )
+    whole = compute_advantages(estimator, rewards, mask, index, **inputs)
+    budget = len(index) * length - 1  # 5 rows a block: groups start at rows 0 and 3 of the order, one block
+    monkeypatch.setattr(advantages, "_CPU_BLOCK_ELEMENTS", budget)
+    monkeypatch.setattr(advantages, "_SEQUENCE_BLOCK_FACTOR", 1)
+    group, num_groups = _checks.group_ids(torch.tensor(index), len(index), torch.device("cpu"))
+    (block,) = advantages._group_blocks(group, num_groups, len(index), length, torch.device("cpu"), budget)
+    assert not isinstance(block.rows, slice)  # the case under test: one block, rows out of order
+    for one, other in zip(whole, compute_advantages(estimator, rewards, mask, index, **inputs)):
+        torch.testing.assert_close(other, one, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
