@@ -577,6 +577,39 @@ def test_linear_method_reaches_every_linear_call_and_the_chunked_head(method, li
     assert grad_norms.recorded_calls() == []  # outside a recording
 
 
+def test_a_recording_inside_another_objective_is_its_own():
+    """row_grad_norms_sq called inside another's objective records into its own, innermost tape: the inner call's
+    recorded_calls() are its model's, and the inner call's norms (chunked head included) and the outer call's are
+    each what they are alone."""
+    torch.manual_seed(5)
+    outer_model, inner_model = EmbeddingLinearHead().double(), EmbeddingLinearHead().double()
+    ids = torch.randint(0, 13, (2, 4), generator=torch.Generator().manual_seed(5))
+    inner_alone = row_grad_norms_sq(inner_model, lambda: inner_model.objective(ids))
+    outer_alone = row_grad_norms_sq(outer_model, lambda: outer_model.objective(ids))
+    seen = {}
+
+    def inner_objective():
+        f = inner_model.objective(ids)
+        seen["modules"] = {call.module for call in grad_norms.recorded_calls()}
+        return f
+
+    def outer_objective():
+        seen["inner"] = row_grad_norms_sq(inner_model, inner_objective)
+        return outer_model.objective(ids)
+
+    outer = row_grad_norms_sq(outer_model, outer_objective)
+    assert seen["modules"] and seen["modules"] <= set(inner_model.modules())
+    torch.testing.assert_close(seen["inner"], inner_alone, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outer, outer_alone, rtol=1e-6, atol=0)
+
+
+def test_linear_method_is_keyword_only():
+    model = EmbeddingLinearHead()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError):
+        row_grad_norms_sq(model, lambda: model.objective(ids), "auto")
+
+
 def test_linear_method_must_be_one_of_the_three():
     model = EmbeddingLinearHead()
     ids = torch.tensor([[1, 2, 3]])
