@@ -282,15 +282,6 @@ def _read_block(spec: Estimator, inputs: _validation.Inputs, rows: slice | torch
     return _Block(rows, mask, rewards, w, W, norms)
 
 
-def _rows_output(
-    blocks: list[_GroupBlock], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    """Buffer for an output assembled from blocks, or ``None`` for one block of the rows in order (see
-    :func:`_put_masked`)."""
-    one = len(blocks) == 1 and isinstance(blocks[0].rows, slice)
-    return None if one else torch.empty(shape, dtype=dtype, device=device)
-
-
 def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
     """``out[rows] = value``, rounded to ``out``'s dtype once, as it is written."""
     if isinstance(rows, slice):
@@ -315,15 +306,12 @@ def _put_difference(
         out[groups.rows] = target
 
 
-def _put_masked(out: torch.Tensor | None, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor):
+def _put_masked(out: torch.Tensor, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor) -> None:
     """``out[rows] = per_row[:, None] * mask`` (all in the output's dtype), written in place where rows are a slice."""
-    if out is None:
-        return per_row[:, None] * mask
     if isinstance(rows, slice):
         torch.mul(per_row[:, None], mask, out=out[rows])
     else:
         out[rows] = per_row[:, None] * mask
-    return out
 
 
 def _at_slots(values: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
@@ -368,8 +356,7 @@ def _sequence_advantages(
     device, dtype = inputs.rewards.device, inputs.dtype
     elements = _CPU_BLOCK_ELEMENTS * _SEQUENCE_BLOCK_FACTOR
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, elements)
-    advantages = _rows_output(blocks, (batch_size, length), dtype, device)
-    returns = _rows_output(blocks, (batch_size, length), dtype, device)
+    advantages, returns = (torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))
     # fp64 rows that every block reuses (no allocator traffic per block)
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), length), dtype=_GROUP_DTYPE, device=device)
     for groups in blocks:
@@ -395,8 +382,8 @@ def _sequence_advantages(
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
             alive = torch.ones_like(R)[:, None]
             advantage = advantage * _std_scale(R[:, None], alive, groups, epsilon, per_coordinate)
-        advantages = _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
-        returns = _put_masked(returns, groups.rows, R.to(dtype), block.mask)
+        _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
+        _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
 
 

@@ -604,8 +604,12 @@ def test_a_recording_inside_another_objective_is_its_own():
 
 
 def test_linear_method_is_keyword_only():
+    """By keyword it is taken (the call runs, so a mutation of the signature is reached by this test); by position
+    it is refused."""
     model = EmbeddingLinearHead()
     ids = torch.tensor([[1, 2, 3]])
+    by_keyword = row_grad_norms_sq(model, lambda: model.objective(ids), linear_method="auto")
+    assert torch.isfinite(by_keyword).all()
     with pytest.raises(TypeError):
         row_grad_norms_sq(model, lambda: model.objective(ids), "auto")
 
