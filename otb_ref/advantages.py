@@ -291,19 +291,20 @@ def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> 
 
 
 def _put_difference(
-    out: torch.Tensor, groups: _GroupBlock, G: torch.Tensor, baseline_of_group: torch.Tensor, mask: torch.Tensor
+    out: torch.Tensor, rows: slice | torch.Tensor, G: torch.Tensor, baseline: torch.Tensor, mask: torch.Tensor
 ) -> None:
-    """``out[rows] = (G − B[group]) m`` [b, T], ``G − B`` rounded once as it is written (``mask`` in ``out``'s
-    dtype); with equal runs of rows ``B`` is broadcast from the group's row, not gathered."""
-    target = out[groups.rows] if isinstance(groups.rows, slice) else torch.empty_like(mask)
-    if groups.equal:
-        n, length = groups.equal, G.shape[1]
-        G.view(-1, n, length).sub_(baseline_of_group[:, None, :])
+    """``out[rows] = (G − B) m`` [b, T]: the fp64 difference rounded once, as it is stored in ``out``'s dtype
+    (``mask`` in that dtype). ``baseline`` is ``[b, T]``, or ``[g, 1, T]`` for rows that are g equal runs
+    (broadcast from the group's row, not gathered)."""
+    target = out[rows] if isinstance(rows, slice) else torch.empty_like(mask)
+    if baseline.dim() == 3:
+        runs = (baseline.shape[0], -1, G.shape[1])
+        torch.sub(G.view(runs), baseline, out=target.view(runs))
     else:
-        G.sub_(baseline_of_group[groups.group])
-    target.copy_(G).mul_(mask)
-    if not isinstance(groups.rows, slice):
-        out[groups.rows] = target
+        torch.sub(G, baseline, out=target)
+    target.mul_(mask)
+    if not isinstance(rows, slice):
+        out[rows] = target
 
 
 def _put_masked(out: torch.Tensor, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor) -> None:
@@ -469,16 +470,20 @@ def _token_block(
         if group_has_baseline is not None:
             baseline_of_group.mul_(group_has_baseline[:, None])
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
-            _put_difference(outputs[0], groups, G, baseline_of_group, block.mask)
+            baseline = baseline_of_group[:, None, :] if groups.equal else baseline_of_group[group]
+            _put_difference(outputs[0], groups.rows, G, baseline, block.mask)
             return
         baseline = _at_slots(baseline_of_group[group], back)  # [b, T]
     if handle_zero_tail:
         tail_start = _zero_tail_start(lengths, group, groups.size, counts, length)
         token_position = back if multi_turn else torch.arange(length, device=mask.device)[None, :]
         baseline = torch.where(token_position < tail_start[:, None], baseline, 0.0)
+    if not spec.std_normalize:  # (G − B) m, rounded as it is written
+        _put_difference(outputs[0], groups.rows, G, baseline, block.mask)
+        return
+    # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
     advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
-    if spec.std_normalize:  # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
-        advantage.mul_(_std_scale(G_s, m_s, groups, epsilon, sums)[:, None])
+    advantage.mul_(_std_scale(G_s, m_s, groups, epsilon, sums)[:, None])
     _put(outputs[0], groups.rows, advantage)
 
 
