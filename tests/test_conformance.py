@@ -99,13 +99,11 @@ def test_each_precision_port_fails_three_cases_by_twice_their_tolerance(document
 def test_torch_fp32_returns_fail_the_long_case(document):
     """G by torch's fp32 cumsum on CPU (accumulated in double, each G_t rounded to fp32 once) fails the long-T
     case with dense cancelling fp32 rewards (and passes the cases where G_t is small beside A)."""
-    import torch_returns_fp32
-
     long_cases = [case for case in document["cases"] if case["input"] == "long_T_fp32"]
     assert long_cases and len(long_cases[0]["advantages"][0]) >= 4096
-    assert _failing(torch_returns_fp32.compute_advantages, document, long_cases)
+    assert _failing(one_rule.torch_returns_fp32, document, long_cases)
     outcome = [case for case in document["cases"] if case["input"] == "outcome"]
-    assert _failing(torch_returns_fp32.compute_advantages, document, outcome) == {}
+    assert _failing(one_rule.torch_returns_fp32, document, outcome) == {}
 
 
 def test_unchecked_rules_are_stated_and_their_ports_pass(document):

@@ -4,8 +4,12 @@ fails it, and tests/test_conformance.py checks that every rule has a port here t
 
     python conformance/check.py conformance/ports/bugs/one_rule.py:clamp          # any name of RULES
 
-``torch_returns_fp32.py`` beside this file is a second port for ``precision_G``: ``G`` by torch's fp32 ``cumsum``
-(on CPU torch accumulates it in double and rounds each ``G_t`` once; on CUDA it accumulates in fp32).
+    python conformance/check.py conformance/ports/bugs/one_rule.py:torch_returns_fp32   # needs torch
+
+``torch_returns_fp32`` is a second port for ``precision_G``: ``G`` by torch's fp32 ``flip(cumsum(flip(r)))``,
+everything else as the contract says. On CPU torch accumulates an fp32 ``cumsum`` in double and rounds each ``G_t``
+to fp32 once, so it passes where the ``G_t`` are small beside the advantages; the cases with dense cancelling fp32
+rewards (``|G_t|`` far above ``|A|``, the long-T input among them) fail it. On CUDA the sum is fp32 throughout.
 """
 
 from __future__ import annotations
@@ -86,3 +90,17 @@ def port(rule: str):
 
 for _rule in [*RULES, *UNCHECKED]:  # one module-level function per rule, for ``check.py one_rule.py:RULE``
     globals()[_rule] = port(_rule)
+
+
+def _returns_fp32(rewards):
+    """``G`` [B, T] by torch: fp32 rewards summed from the end by an fp32 ``cumsum`` (fp64 rewards as they are)."""
+    import numpy as np
+    import torch  # only this port needs it: the others, and check.py, run without torch
+
+    r = torch.from_numpy(np.ascontiguousarray(rewards, np.float32) if rewards.dtype == np.float32 else rewards)
+    return r.flip(-1).cumsum(-1).flip(-1).numpy()
+
+
+def torch_returns_fp32(*args, **kwargs):
+    """The port whose one bug is ``G`` in fp32 written in torch (see the module's docstring)."""
+    return vector_port.compute_advantages(*args, returns_fn=_returns_fp32, **kwargs)
