@@ -161,18 +161,21 @@ def test_off_the_mask_sum_pi_squared_is_one_and_the_energy_zero():
     assert bool((enum.log_probs[off] == 0).all())
 
 
-def test_tree_policy_gives_every_prefix_its_own_logits_and_policies_have_eos_by_default():
-    """TreePolicy is tabular: two positions share a logit row iff their prefixes (tokens before them) are equal.
-    By default both policies have an EOS token, so responses come in several lengths."""
-    policy = TreePolicy(vocab=3, horizon=3)
-    tokens, mask = enumerate_responses(3, 3)
-    theta = torch.arange(policy.theta.numel(), dtype=torch.float64)  # row r of the table holds 3r, 3r + 1, 3r + 2
-    rows = (policy.logits(theta, tokens)[..., 0] / 3).long()  # [M, L] table row used at each position
+@pytest.mark.parametrize("vocab, eos", [(3, True), (4, True), (3, False)])
+def test_tree_policy_gives_every_prefix_its_own_logits_and_policies_have_eos_by_default(vocab, eos):
+    """TreePolicy is tabular: two positions share a logit row iff their prefixes (tokens before them) are equal, and
+    every row of the table belongs to a prefix (the prefix's code, in base V − 1 with EOS or V without, is a
+    bijection onto the rows). By default both policies have an EOS token, so responses come in several lengths."""
+    policy = TreePolicy(vocab=vocab, horizon=3, eos=eos)
+    tokens, mask = enumerate_responses(vocab, 3, eos)
+    theta = torch.arange(policy.theta.numel(), dtype=torch.float64)  # row r of the table holds Vr, ..., Vr + V − 1
+    rows = (policy.logits(theta, tokens)[..., 0] / vocab).long()  # [M, L] table row used at each position
     owner = {}
     for response, length in zip(tokens.tolist(), mask.sum(-1).long().tolist()):
         for t in range(length):
             owner.setdefault(tuple(response[:t]), set()).add(int(rows[tokens.tolist().index(response), t]))
     assert all(len(used) == 1 for used in owner.values())  # equal prefixes: one row
-    assert len({next(iter(used)) for used in owner.values()}) == len(owner)  # different prefixes: different rows
+    used = sorted(next(iter(used)) for used in owner.values())
+    assert used == list(range(policy.theta.numel() // vocab))  # different prefixes: different rows, and no row spare
     for default in (TreePolicy(3, 3), SharedPolicy(3, 3)):
         assert len(set(enumerate_policy(default).mask.sum(-1).tolist())) > 1
