@@ -148,6 +148,8 @@ def test_theta_is_scale_times_standard_normal_draws_one_logit_vector_per_prefix(
     vocab, horizon = 3, 3
     policy = TreePolicy(vocab=vocab, horizon=horizon, seed=6)
     assert policy.theta.numel() == vocab * sum((vocab - 1) ** t for t in range(horizon))
+    for short in (0, 1):  # no prefix below a horizon of 0 (such a policy has no position), one below 1
+        assert TreePolicy(vocab, short).theta.numel() == vocab * short
     torch.testing.assert_close(TreePolicy(vocab, horizon, scale=2.5, seed=6).theta, 2.5 * policy.theta, rtol=0, atol=0)
     torch.testing.assert_close(SharedPolicy(3, 2, scale=0.5, seed=6).theta, 0.5 * SharedPolicy(3, 2, seed=6).theta)
 
