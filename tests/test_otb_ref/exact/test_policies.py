@@ -142,6 +142,15 @@ def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
     torch.testing.assert_close(enumerate_policy(policy).gram, want, rtol=1e-14, atol=1e-14)
 
 
+def test_a_shared_policy_of_width_zero_draws_every_token_from_softmax_of_its_bias():
+    """Width 0 leaves the bias alone (θ = b, 3 parameters for 3 positions): logits = b at every position, so a
+    response's probability is the product of softmax(b) over its tokens."""
+    policy = SharedPolicy(vocab=3, horizon=3, width=0, seed=4)
+    enum = enumerate_policy(policy)
+    p = torch.softmax(policy.theta, dim=0)
+    torch.testing.assert_close(enum.probs, (p[enum.tokens] ** enum.mask).prod(-1), rtol=1e-12, atol=0)
+
+
 def test_theta_is_scale_times_standard_normal_draws_one_logit_vector_per_prefix():
     """TreePolicy: θ_h ∈ R^V for every prefix h of fewer than L non-EOS tokens (Σ_t (V − 1)^t of them), drawn as
     scale × N(0, 1) from the seed."""
