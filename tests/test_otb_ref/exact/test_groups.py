@@ -113,19 +113,34 @@ def test_multisets_equal_ordered_tuples(case, name):
     assert abs(moments.variance - (second - float(mean @ mean))) < ATOL
 
 
-def test_the_multiset_cap_is_inclusive(monkeypatch):
+@pytest.mark.parametrize("group_size", [2, 3])  # M + N odd and even (M = 7 responses)
+def test_the_multiset_cap_is_inclusive(group_size, monkeypatch):
     """group_moments refuses more than MAX_TUPLES multisets, comb(M + N − 1, N) for M responses and groups of N,
     and runs at exactly the cap."""
     from otb_ref.exact import groups
 
     enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=3), keep_scores=True)
     rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
-    count = math.comb(enum.tokens.shape[0] + 2 - 1, 2)
+    count = math.comb(enum.tokens.shape[0] + group_size - 1, group_size)
     monkeypatch.setattr(groups, "MAX_TUPLES", count)
-    group_moments(enum, rewards, "grpo", 2)
+    group_moments(enum, rewards, "grpo", group_size)
     monkeypatch.setattr(groups, "MAX_TUPLES", count - 1)
-    with pytest.raises(ValueError, match=f"^group_size: {count} groups of 2"):
-        group_moments(enum, rewards, "grpo", 2)
+    with pytest.raises(ValueError, match=f"^group_size: {count} groups of {group_size}"):
+        group_moments(enum, rewards, "grpo", group_size)
+
+
+def test_multisets_taken_a_few_at_a_time_give_the_same_moments(monkeypatch):
+    """_TUPLE_CHUNK only bounds memory: the 28 multisets of 2 from 7 responses in chunks of 3 give the moments of one
+    chunk (the same fp64 terms summed in another grouping: rtol 1e-12)."""
+    from otb_ref.exact import groups
+
+    enum = enumerate_policy(TreePolicy(vocab=3, horizon=2, seed=3), keep_scores=True)
+    rewards = outcome_rewards(enum, (enum.tokens[:, 0] == 1).double())
+    whole = group_moments(enum, rewards, "otb", 2)
+    monkeypatch.setattr(groups, "_TUPLE_CHUNK", 3)
+    chunked = group_moments(enum, rewards, "otb", 2)
+    torch.testing.assert_close(chunked.mean, whole.mean, rtol=1e-12, atol=1e-14)
+    assert chunked.second_moment == pytest.approx(whole.second_moment, rel=1e-12)
 
 
 @pytest.mark.parametrize("group_size", [0, -1, 2.0])

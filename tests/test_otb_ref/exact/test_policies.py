@@ -142,12 +142,23 @@ def test_a_small_jacobian_chunk_budget_gives_the_same_enumeration(monkeypatch):
     torch.testing.assert_close(enumerate_policy(policy).gram, want, rtol=1e-14, atol=1e-14)
 
 
+def test_a_shared_policy_of_width_zero_draws_every_token_from_softmax_of_its_bias():
+    """Width 0 leaves the bias alone (θ = b, 3 parameters for 3 positions): logits = b at every position, so a
+    response's probability is the product of softmax(b) over its tokens."""
+    policy = SharedPolicy(vocab=3, horizon=3, width=0, seed=4)
+    enum = enumerate_policy(policy)
+    p = torch.softmax(policy.theta, dim=0)
+    torch.testing.assert_close(enum.probs, (p[enum.tokens] ** enum.mask).prod(-1), rtol=1e-12, atol=0)
+
+
 def test_theta_is_scale_times_standard_normal_draws_one_logit_vector_per_prefix():
     """TreePolicy: θ_h ∈ R^V for every prefix h of fewer than L non-EOS tokens (Σ_t (V − 1)^t of them), drawn as
     scale × N(0, 1) from the seed."""
     vocab, horizon = 3, 3
     policy = TreePolicy(vocab=vocab, horizon=horizon, seed=6)
     assert policy.theta.numel() == vocab * sum((vocab - 1) ** t for t in range(horizon))
+    for short in (0, 1):  # no prefix below a horizon of 0 (such a policy has no position), one below 1
+        assert TreePolicy(vocab, short).theta.numel() == vocab * short
     torch.testing.assert_close(TreePolicy(vocab, horizon, scale=2.5, seed=6).theta, 2.5 * policy.theta, rtol=0, atol=0)
     torch.testing.assert_close(SharedPolicy(3, 2, scale=0.5, seed=6).theta, 0.5 * SharedPolicy(3, 2, seed=6).theta)
 
@@ -161,18 +172,21 @@ def test_off_the_mask_sum_pi_squared_is_one_and_the_energy_zero():
     assert bool((enum.log_probs[off] == 0).all())
 
 
-def test_tree_policy_gives_every_prefix_its_own_logits_and_policies_have_eos_by_default():
-    """TreePolicy is tabular: two positions share a logit row iff their prefixes (tokens before them) are equal.
-    By default both policies have an EOS token, so responses come in several lengths."""
-    policy = TreePolicy(vocab=3, horizon=3)
-    tokens, mask = enumerate_responses(3, 3)
-    theta = torch.arange(policy.theta.numel(), dtype=torch.float64)  # row r of the table holds 3r, 3r + 1, 3r + 2
-    rows = (policy.logits(theta, tokens)[..., 0] / 3).long()  # [M, L] table row used at each position
+@pytest.mark.parametrize("vocab, eos", [(3, True), (4, True), (3, False)])
+def test_tree_policy_gives_every_prefix_its_own_logits_and_policies_have_eos_by_default(vocab, eos):
+    """TreePolicy is tabular: two positions share a logit row iff their prefixes (tokens before them) are equal, and
+    every row of the table belongs to a prefix (the prefix's code, in base V − 1 with EOS or V without, is a
+    bijection onto the rows). By default both policies have an EOS token, so responses come in several lengths."""
+    policy = TreePolicy(vocab=vocab, horizon=3, eos=eos)
+    tokens, mask = enumerate_responses(vocab, 3, eos)
+    theta = torch.arange(policy.theta.numel(), dtype=torch.float64)  # row r of the table holds Vr, ..., Vr + V − 1
+    rows = (policy.logits(theta, tokens)[..., 0] / vocab).long()  # [M, L] table row used at each position
     owner = {}
     for response, length in zip(tokens.tolist(), mask.sum(-1).long().tolist()):
         for t in range(length):
             owner.setdefault(tuple(response[:t]), set()).add(int(rows[tokens.tolist().index(response), t]))
     assert all(len(used) == 1 for used in owner.values())  # equal prefixes: one row
-    assert len({next(iter(used)) for used in owner.values()}) == len(owner)  # different prefixes: different rows
+    used = sorted(next(iter(used)) for used in owner.values())
+    assert used == list(range(policy.theta.numel() // vocab))  # different prefixes: different rows, and no row spare
     for default in (TreePolicy(3, 3), SharedPolicy(3, 3)):
         assert len(set(enumerate_policy(default).mask.sum(-1).tolist())) > 1
