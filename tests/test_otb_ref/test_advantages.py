@@ -54,6 +54,34 @@ def test_token_estimators_match_loop(batch, name, leave_one_out, multi_turn, han
     torch.testing.assert_close(ret, want_ret, **TOL)
 
 
+@pytest.mark.parametrize("name", TOKEN)
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_multi_turn_equal_runs_with_an_empty_response_leave_a_group_of_one(name, leave_one_out):
+    """multi_turn: an empty response takes no part in its group. In groups laid out as equal runs of two rows, one
+    of them empty, the other row is a group of one response: no baseline, its advantage is its return (§3, §4), as
+    the loop oracle says; the empty row's advantage is 0."""
+    generator = torch.Generator().manual_seed(5)
+    batch, length = 6, 5
+    mask = torch.ones(batch, length, dtype=torch.float64)
+    mask[1] = 0  # group 0: rows 0 and 1, row 1 empty
+    mask[0, 1] = mask[4, 3:] = 0  # a hole, a short response
+    rewards = torch.randn(batch, length, generator=generator, dtype=torch.float64) * mask
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    inputs = {
+        "old_log_probs": -torch.rand(batch, length, generator=generator, dtype=torch.float64),
+        "sum_pi_squared": 0.2 + 0.8 * torch.rand(batch, length, generator=generator, dtype=torch.float64),
+        "cumulative_energy": torch.rand(batch, length, generator=generator, dtype=torch.float64).cumsum(-1),
+    }
+    inputs = {k: v for k, v in inputs.items() if k in ESTIMATORS[name].inputs}
+    flags = dict(multi_turn=True, leave_one_out=leave_one_out)
+    adv, ret = compute_advantages(name, rewards, mask, index, **inputs, **flags)
+    torch.testing.assert_close(adv[0], ret[0] * mask[0], rtol=0, atol=0)
+    assert bool((adv[1] == 0).all())
+    want_adv, want_ret = oracle_advantages(name, rewards, mask, index, **inputs, **flags)
+    torch.testing.assert_close(adv, want_adv, **TOL)
+    torch.testing.assert_close(ret, want_ret, **TOL)
+
+
 @given(
     rollout_batches(),
     st.sampled_from(["opo", "sequence_proxy", "token_length", "otb"]),
