@@ -293,18 +293,18 @@ def _put(out: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> 
 def _put_difference(
     out: torch.Tensor, rows: slice | torch.Tensor, G: torch.Tensor, baseline: torch.Tensor, mask: torch.Tensor
 ) -> None:
-    """``out[rows] = (G − B) m`` [b, T]: the fp64 difference rounded once, as it is stored in ``out``'s dtype
-    (``mask`` in that dtype). ``baseline`` is ``[b, T]``, or ``[g, 1, T]`` for rows that are g equal runs
-    (broadcast from the group's row, not gathered)."""
-    target = out[rows] if isinstance(rows, slice) else torch.empty_like(mask)
+    """``out[rows] = (G − B) m`` [b, T]: the fp64 difference, in ``G``'s buffer (the block's own, consumed here),
+    rounded once as it is stored in ``out``'s dtype, then masked there (``mask`` in that dtype: × 0/1 is exact).
+    ``baseline`` is ``[b, T]``, or ``[g, 1, T]`` for rows that are g equal runs (broadcast from the group's row,
+    not gathered)."""
     if baseline.dim() == 3:
-        runs = (baseline.shape[0], -1, G.shape[1])
-        torch.sub(G.view(runs), baseline, out=target.view(runs))
+        G.view(baseline.shape[0], -1, G.shape[1]).sub_(baseline)
     else:
-        torch.sub(G, baseline, out=target)
-    target.mul_(mask)
-    if not isinstance(rows, slice):
-        out[rows] = target
+        G.sub_(baseline)
+    if isinstance(rows, slice):
+        out[rows].copy_(G).mul_(mask)
+    else:
+        out[rows] = G.to(out.dtype).mul_(mask)
 
 
 def _put_masked(out: torch.Tensor, rows: slice | torch.Tensor, per_row: torch.Tensor, mask: torch.Tensor) -> None:
@@ -452,11 +452,12 @@ def _token_block(
     summed = groups.sum(terms)  # [g, 4, T], one call
     sums = _GroupSums(members=summed[:, 3], weighted=summed[:, 0], weight=summed[:, 2], total=summed[:, 1])
     lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
-    counted = lengths > 0 if multi_turn else torch.ones_like(group, dtype=torch.bool)
     # A baseline applies to counted rows of groups with two or more counted rows
     # (uncounted rows are empty: their advantage is zero anyway); equal runs of n >= 2 rows, all counted: every group.
     every_group = groups.equal >= 2 and not multi_turn
-    counts = groups.sum(counted.long()) if handle_zero_tail or not every_group else None  # [g]
+    counts = None
+    if handle_zero_tail or not every_group:  # counted rows per group [g]
+        counts = groups.sum((lengths > 0).long()) if multi_turn else groups.sum(torch.ones_like(group))
     group_has_baseline = None if every_group else (counts >= 2).to(_GROUP_DTYPE)  # [g]
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
