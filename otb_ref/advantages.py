@@ -86,9 +86,11 @@ class _Block(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _segment_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Per-group sums: ``[B, *] -> [num_groups, *]``."""
-    out = values.new_zeros((num_groups, *values.shape[1:]))
+def _segment_sum(
+    values: torch.Tensor, group: torch.Tensor, num_groups: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-group sums: ``[B, *] -> [num_groups, *]`` (in ``out`` if given)."""
+    out = values.new_zeros((num_groups, *values.shape[1:])) if out is None else out.zero_()
     return out.index_add_(0, group, values)
 
 
@@ -113,6 +115,10 @@ class _GroupSums(NamedTuple):
     weight: torch.Tensor  # Σ_j m^j a^j
     total: torch.Tensor  # Σ_j m^j x^j
 
+    def clone(self) -> _GroupSums:
+        """A copy (:func:`_baseline_from_sums` consumes the sums it is given)."""
+        return _GroupSums(*(s.clone() for s in self))
+
     def minus(self, own: _GroupSums) -> _GroupSums:
         """Leave-one-out: the others' sums, the group's minus the row's own terms."""
         return _GroupSums(
@@ -123,12 +129,14 @@ class _GroupSums(NamedTuple):
 def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
     """``B = (Σ a x + ε x̄) / (Σ a + ε)`` from the sums over a row's members (fp64, same shapes), with
     ``x̄ = Σ x / n`` (0 where ``n = 0``: the sum is then 0). ``B = x̄`` where ``Σ a + ε`` is 0 (every ``a ≥ 0``:
-    only with ``ε = 0``). A convex combination of the members' values (THEORY §3)."""
-    mean = sums.total / sums.members.clamp(min=1)  # x̄
-    denominator = sums.weight + epsilon
+    only with ``ε = 0``). A convex combination of the members' values (THEORY §3).
+
+    Computed in the sums' own buffers, which it consumes (no allocation per block; a caller that reads the sums
+    again passes :meth:`_GroupSums.clone`)."""
+    mean = sums.total.div_(sums.members.clamp_(min=1))  # x̄
     if epsilon > 0:  # Σ a ≥ 0 (a leave-one-out difference too: a rounded sum of terms ≥ 0 is ≥ each of them)
-        return (sums.weighted + epsilon * mean) / denominator
-    return torch.where(denominator > 0, sums.weighted / denominator, mean)  # (0/0 where it is not taken)
+        return sums.weighted.add_(mean.mul_(epsilon)).div_(sums.weight.add_(epsilon))  # (Σ a x + ε x̄) / (Σ a + ε)
+    return torch.where(sums.weight > 0, sums.weighted.div_(sums.weight), mean)  # (0/0 where it is not taken)
 
 
 def _std_scale(
@@ -187,11 +195,12 @@ class _GroupBlock(NamedTuple):
     size: int  # groups in the block
     equal: int  # n when the block is ``size`` consecutive runs of n rows (its sums are a reshape), else 0
 
-    def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-group sums ``[b, *] -> [size, *]``."""
+    def sum(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-group sums ``[b, *] -> [size, *]`` (in ``out[:size]`` if given: scratch reused block after block)."""
+        out = None if out is None else out[: self.size]
         if self.equal:
-            return values.reshape(self.size, self.equal, *values.shape[1:]).sum(1)
-        return _segment_sum(values, self.group, self.size)
+            return torch.sum(values.reshape(self.size, self.equal, *values.shape[1:]), 1, out=out)
+        return _segment_sum(values, self.group, self.size, out)
 
 
 def _group_blocks(
@@ -377,7 +386,8 @@ def _sequence_advantages(
             at = _GroupSums(*(s[groups.group] for s in sums)).minus(_GroupSums(*own.unbind(1)))
             baseline = torch.where(in_group[groups.group], _baseline_from_sums(at, baseline_epsilon), 0.0)
         else:
-            baseline = torch.where(in_group, _baseline_from_sums(sums, baseline_epsilon), 0.0)[groups.group]
+            of_group = _baseline_from_sums(sums.clone() if spec.std_normalize else sums, baseline_epsilon)
+            baseline = torch.where(in_group, of_group, 0.0)[groups.group]
         advantage = R - baseline  # [b]
         if spec.std_normalize:  # σ of R over the group
             per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
@@ -404,10 +414,12 @@ def _token_advantages(
     device, dtype = inputs.rewards.device, inputs.dtype
     blocks = _group_blocks(inputs.group, inputs.num_groups, batch_size, length, device, _CPU_BLOCK_ELEMENTS)
     outputs = tuple(torch.empty((batch_size, length), dtype=dtype, device=device) for _ in range(2))  # A, G
-    # fp64 rows that every block reuses (no allocator traffic per block): W G, m G, W, m (summed in one call), G
+    # fp64 rows that every block reuses (no allocator traffic per block): W G, m G, W, m (summed in one call), G;
+    # and their group sums
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
+    sums_scratch = workspace.new_empty((max(b.size for b in blocks), 4, length))
     for block in blocks:
-        work = workspace[: block.group.shape[0]]
+        work = (workspace[: block.group.shape[0]], sums_scratch)
         _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, outputs, work)
     return outputs[0], outputs[1]
 
@@ -430,10 +442,11 @@ def _token_block(
     epsilon: float,
     baseline_epsilon: float,
     outputs: tuple[torch.Tensor, torch.Tensor],
-    work: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """Advantages and returns of one block of whole groups into ``outputs`` ([B, T] each, rounded there, once);
-    ``work`` [b, 5, T] fp64 scratch."""
+    ``scratch``: fp64 ``[b, 5, T]`` rows and ``[≥ g, 4, T]`` group sums."""
+    work, sums_scratch = scratch
     block = _read_block(spec, inputs, groups.rows)
     group, length = groups.group, block.mask.shape[1]
     mask = work[:, 3].copy_(block.mask)
@@ -449,7 +462,7 @@ def _token_block(
         W = _realized_energy(block, mask, terms[:, 2])
     m_s = terms[:, 3]
     torch.mul(terms[:, 2:], G_s[:, None], out=terms[:, :2])  # each row's terms of its group's sums: W G, m G, W, m
-    summed = groups.sum(terms)  # [g, 4, T], one call
+    summed = groups.sum(terms, out=sums_scratch)  # [g, 4, T], one call
     sums = _GroupSums(members=summed[:, 3], weighted=summed[:, 0], weight=summed[:, 2], total=summed[:, 1])
     lengths = block.mask.sum(dim=-1).long() if multi_turn or handle_zero_tail else None  # generated tokens per row
     # A baseline applies to counted rows of groups with two or more counted rows
@@ -467,7 +480,7 @@ def _token_block(
         if group_has_baseline is not None:
             baseline.mul_(group_has_baseline[group, None])
     else:
-        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon)  # [g, T]
+        baseline_of_group = _baseline_from_sums(sums.clone() if spec.std_normalize else sums, baseline_epsilon)
         if group_has_baseline is not None:
             baseline_of_group.mul_(group_has_baseline[:, None])
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
