@@ -399,7 +399,7 @@ class _TiedIds:
     def __init__(self, ids: torch.Tensor, vocab: int, chunk_size: int, positions: int, dtype: torch.dtype):
         self.rows, self.slots, self.chunk_size = *ids.shape, chunk_size
         self.sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)  # [B·S]
-        self.order, self.row_of, self.slot_of = order, order // self.slots, order % self.slots
+        self.order, self.row_of = order, order // self.slots  # each sorted id's place, and its row
         starts = torch.arange(0, vocab, chunk_size, device=ids.device)
         self.bounds = torch.searchsorted(self.sorted_ids, starts).tolist() + [ids.numel()]  # one host read
         self.found = torch.zeros(ids.numel(), positions, dtype=dtype, device=ids.device)  # [B·S, T]: c_t[x_s]
