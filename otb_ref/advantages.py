@@ -115,10 +115,6 @@ class _GroupSums(NamedTuple):
     weight: torch.Tensor  # Σ_j m^j a^j
     total: torch.Tensor  # Σ_j m^j x^j
 
-    def clone(self) -> _GroupSums:
-        """A copy (:func:`_baseline_from_sums` consumes the sums it is given)."""
-        return _GroupSums(*(s.clone() for s in self))
-
     def minus(self, own: _GroupSums) -> _GroupSums:
         """Leave-one-out: the others' sums, the group's minus the row's own terms."""
         return _GroupSums(
@@ -131,8 +127,8 @@ def _baseline_from_sums(sums: _GroupSums, epsilon: float) -> torch.Tensor:
     ``x̄ = Σ x / n`` (0 where ``n = 0``: the sum is then 0). ``B = x̄`` where ``Σ a + ε`` is 0 (every ``a ≥ 0``:
     only with ``ε = 0``). A convex combination of the members' values (THEORY §3).
 
-    Computed in the sums' own buffers, which it consumes (no allocation per block; a caller that reads the sums
-    again passes :meth:`_GroupSums.clone`)."""
+    Computed in the sums' own buffers, which it consumes (no allocation per block): a caller reads what else it
+    needs of the sums (std scaling's σ) first."""
     mean = sums.total.div_(sums.members.clamp_(min=1))  # x̄
     if epsilon > 0:  # Σ a ≥ 0 (a leave-one-out difference too: a rounded sum of terms ≥ 0 is ≥ each of them)
         return sums.weighted.add_(mean.mul_(epsilon)).div_(sums.weight.add_(epsilon))  # (Σ a x + ε x̄) / (Σ a + ε)
@@ -382,17 +378,18 @@ def _sequence_advantages(
         own = torch.stack([torch.ones_like(R), v * R, v, R], dim=1)  # each row's own terms [b, 4]
         sums = _GroupSums(*groups.sum(own).unbind(1))  # [g]
         in_group = sums.members >= 2  # [g]
+        scale = None
+        if spec.std_normalize:  # σ of R over the group (read before the baseline consumes the sums)
+            per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
+            scale = _std_scale(R[:, None], torch.ones_like(R)[:, None], groups, epsilon, per_coordinate)
         if spec.leave_one_out:  # the others: each row's group's sums minus its own terms [b]
             at = _GroupSums(*(s[groups.group] for s in sums)).minus(_GroupSums(*own.unbind(1)))
             baseline = torch.where(in_group[groups.group], _baseline_from_sums(at, baseline_epsilon), 0.0)
         else:
-            of_group = _baseline_from_sums(sums.clone() if spec.std_normalize else sums, baseline_epsilon)
-            baseline = torch.where(in_group, of_group, 0.0)[groups.group]
+            baseline = torch.where(in_group, _baseline_from_sums(sums, baseline_epsilon), 0.0)[groups.group]
         advantage = R - baseline  # [b]
-        if spec.std_normalize:  # σ of R over the group
-            per_coordinate = _GroupSums(*(s[:, None] for s in sums))  # [g, 1]: R is one coordinate
-            alive = torch.ones_like(R)[:, None]
-            advantage = advantage * _std_scale(R[:, None], alive, groups, epsilon, per_coordinate)
+        if scale is not None:
+            advantage = advantage * scale
         _put_masked(advantages, groups.rows, advantage.to(dtype), block.mask)
         _put_masked(returns, groups.rows, R.to(dtype), block.mask)
     return advantages, returns
@@ -473,6 +470,9 @@ def _token_block(
         counts = groups.sum((lengths > 0).long()) if multi_turn else groups.sum(torch.ones_like(group))
     group_has_baseline = None if every_group else (counts >= 2).to(_GROUP_DTYPE)  # [g]
     back = slot.clamp(max=max(length - 1, 0)) if multi_turn else None  # each token's slot, to read sums back
+    # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens: read before the
+    # baseline consumes the sums
+    scale = _std_scale(G_s, m_s, groups, epsilon, sums)[:, None] if spec.std_normalize else None
     if spec.leave_one_out:  # the others: group sums at each token's position minus the row's own terms
         at = _GroupSums(*(_at_slots(s[group], back) for s in sums))
         own = _GroupSums(mask, W * G, W, mask * G) if multi_turn else _GroupSums(m_s, terms[:, 0], W, terms[:, 1])
@@ -480,7 +480,7 @@ def _token_block(
         if group_has_baseline is not None:
             baseline.mul_(group_has_baseline[group, None])
     else:
-        baseline_of_group = _baseline_from_sums(sums.clone() if spec.std_normalize else sums, baseline_epsilon)
+        baseline_of_group = _baseline_from_sums(sums, baseline_epsilon)  # [g, T]
         if group_has_baseline is not None:
             baseline_of_group.mul_(group_has_baseline[:, None])
         if not (multi_turn or handle_zero_tail or spec.std_normalize):  # (G − B) m, rounded as it is written
@@ -495,9 +495,7 @@ def _token_block(
     if not spec.std_normalize:  # (G − B) m, rounded as it is written
         _put_difference(outputs[0], groups.rows, G, baseline, block.mask)
         return
-    # σ of G_t pooled within positions (ranks with multi_turn), over the group's alive tokens
-    advantage = torch.sub(G, baseline, out=baseline).mul_(mask)  # G − B, in B's buffer
-    advantage.mul_(_std_scale(G_s, m_s, groups, epsilon, sums)[:, None])
+    advantage = torch.sub(G, baseline, out=baseline).mul_(mask).mul_(scale)  # (G − B) m / (σ + ε), in B's buffer
     _put(outputs[0], groups.rows, advantage)
 
 
