@@ -416,8 +416,8 @@ def _token_advantages(
     workspace = torch.empty((max(b.group.shape[0] for b in blocks), 5, length), dtype=_GROUP_DTYPE, device=device)
     sums_scratch = workspace.new_empty((max(b.size for b in blocks), 4, length))
     for block in blocks:
-        work = (workspace[: block.group.shape[0]], sums_scratch)
-        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, outputs, work)
+        scratch = (workspace[: block.group.shape[0]], sums_scratch)
+        _token_block(spec, inputs, block, multi_turn, handle_zero_tail, epsilon, baseline_epsilon, outputs, scratch)
     return outputs[0], outputs[1]
 
 
