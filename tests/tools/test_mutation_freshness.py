@@ -2,27 +2,17 @@
 it changes (and leave the list when killed), `--table` refuses stale results, and the table counts kinds of
 equivalents and the outcomes apart from kills separately."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from load_tool import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    sys.modules.pop(name, None)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # mutation_score imports mutation_tests by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_load("mutation_tests")
-score = _load("mutation_score")
+load_tool("mutation_tests")
+score = load_tool("mutation_score")
 
 
 def _note(verdict="killed", **fields):

@@ -3,12 +3,11 @@ code at HEAD, none leaves a survivor unjudged, and every file of the library is 
 reason (tools/mutation_score.py: ``MODULES``, ``NOT_SCORED``). A commit that changes a scored module fails here until
 ``python tools/mutation_score.py --modules <it> --commit`` has run again (docs/mutations.md)."""
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from load_tool import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,17 +23,8 @@ def _is_checkout() -> bool:
 pytestmark = pytest.mark.skipif(not _is_checkout(), reason="needs the git checkout (results are keyed by git trees)")
 
 
-def _load(name):
-    sys.modules.pop(name, None)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # mutation_score imports mutation_tests by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_load("mutation_tests")
-score = _load("mutation_score")
+load_tool("mutation_tests")
+score = load_tool("mutation_score")
 
 
 def _covered(path: str, places) -> bool:

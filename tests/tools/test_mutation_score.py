@@ -2,27 +2,17 @@
 rules that pick each mutant's tests hold on small sources (issue 29)."""
 
 import ast
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from load_tool import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    sys.modules.pop(name, None)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # mutation_score imports mutation_tests by name
-    spec.loader.exec_module(module)
-    return module
-
-
-select = _load("mutation_tests")
-score = _load("mutation_score")
+select = load_tool("mutation_tests")
+score = load_tool("mutation_score")
 
 SOURCE = '''\
 import functools

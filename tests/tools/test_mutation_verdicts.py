@@ -2,7 +2,6 @@
 driver's own errors are reported apart. Each case mutates a fake package and runs its one-line test in a forked
 child, as the mutation lanes do."""
 
-import importlib.util
 import os
 import re
 import shutil
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from load_tool import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 # The verdict tests fork (tools/mutation_tests.run_in_child). A process that has already run the suite's torch work
@@ -21,16 +21,7 @@ FRESH = os.environ.get("OTB_REF_FRESH_INTERPRETER") == "1"
 PRISTINE = "OFFSET = 1\n\n\ndef f(x):\n    return x + OFFSET\n"
 
 
-def _load(name):
-    sys.modules.pop(name, None)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tools = _load("mutation_tests")
+tools = load_tool("mutation_tests")
 
 
 @pytest.fixture
