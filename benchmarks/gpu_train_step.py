@@ -18,8 +18,8 @@ float64 sampling, the reference sampler of ``otb_train.rollout``). ``tokens_per_
 ``throughput/generation_tokens_per_s`` (generated tokens / the rollout phase, graph capture and scoring included)
 of each step; ``default_in_train``: config.json records ``static_decode: true`` though the flag was not given.
 That case (``case: "built_in_v64"``) is the vocabulary-64 figure with EOS unreachable; ``"qwen05b_eos_reachable"``
-is what a user of a 0.5B model sees: Qwen2.5-0.5B's shape (V = 151,936), the EOS row of the head pointed along the
-mean hidden state so that EOS has probability ~1/200 per token (``reach_eos``; responses end at mixed lengths),
+is what a user of a 0.5B model sees: Qwen2.5-0.5B's shape (V = 151,936), a channel every position carries and the EOS
+head row reading it, so that EOS has probability ~1/200 per token (``reach_eos``; responses end at mixed lengths),
 copy-task prompts of 17–512 tokens, 256 rows. Each record has ``vocab``, ``eos_reachable``, ``copy_lengths``,
 ``mean_response_tokens`` and ``truncated_fraction``.
 
@@ -92,51 +92,69 @@ VARIANTS = {  # train_step variants: extra train.py flags
 }
 
 
-def write_checkpoint(directory: Path, shape: dict, seed: int = 0, eos_probability: float | None = None) -> int:
-    """A random-init Qwen2 of ``shape`` with the character tokenizer; its parameters. Its EOS never wins a draw
-    (``eos_probability=None``), or has about that probability per token (:func:`reach_eos`)."""
+def write_checkpoint(
+    directory: Path, shape: dict, seed: int = 0, eos_probability: float | None = None
+) -> tuple[int, float | None]:
+    """A random-init Qwen2 of ``shape`` with the character tokenizer: (its parameters, EOS's mean probability on
+    fresh prompts or None). Its EOS never wins a draw (``eos_probability=None``), or has about that probability per
+    token (:func:`reach_eos`)."""
     tokenizer = hugging_face_char_tokenizer()
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     lm = tiny_causal_lm("qwen2", seed, **shape, max_position_embeddings=2048, **ids)
+    measured = None
     with torch.no_grad():
         if eos_probability is None:
             head = lm.get_output_embeddings().weight
             head.mul_(EOS_MARGIN)
             head[tokenizer.eos_token_id] = 0.0
         else:
-            reach_eos(lm, tokenizer.eos_token_id, eos_probability)
+            measured = reach_eos(lm, tokenizer.eos_token_id, eos_probability)
     lm.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return sum(p.numel() for p in lm.parameters())
+    return sum(p.numel() for p in lm.parameters()), measured
 
 
 @torch.no_grad()
-def reach_eos(lm, eos_id: int, probability: float, positions: int = 256) -> float:
-    """Point the LM head's EOS row along the mean final hidden state of random prompts, scaled so that EOS's mean
-    probability over those positions is ``probability`` (bisection on the scale); returns the probability reached.
-    Responses then end at mixed lengths, as a real policy's do (the EOS-margin checkpoints run every row to the cap)."""
-    generator = torch.Generator().manual_seed(1)
-    vocab = lm.config.vocab_size
-    ids = torch.randint(0, vocab, (positions // 32, 32), generator=generator)
-    hidden = lm.get_decoder()(ids).last_hidden_state.reshape(-1, lm.config.hidden_size).float()  # [positions, d]
-    head = lm.get_output_embeddings().weight
-    others = hidden @ head.float().T  # [positions, V]
-    others[:, eos_id] = -torch.inf
-    rest = others.logsumexp(dim=-1)  # [positions]
-    direction = hidden.mean(dim=0)
-    direction = direction / direction.norm()
-    along = hidden @ direction  # [positions]
-    low, high = 0.0, 1.0
+def reach_eos(lm, eos_id: int, probability: float, positions: int = 256, channel: float = 1.0) -> float:
+    """Give EOS about ``probability`` per token at every position; returns the mean EOS probability measured on fresh
+    random prompts (not the calibration prompts). Responses then end at mixed lengths, as a real policy's do (the
+    EOS-margin checkpoints run every row to the cap).
 
-    def mean_p(scale: float) -> float:
+    A random-init model's final hidden state is mostly its own token's embedding: no direction is shared by positions,
+    so an EOS row fitted to some prompts' mean hidden state gives other prompts ~1/V (at V = 151,936 the old fit gave
+    5e-6 on fresh prompts). So the model is given a channel every position carries: coordinate 0 of every input
+    embedding is ``channel`` and no layer writes to coordinate 0 (its row of each ``o_proj`` and ``down_proj`` is
+    zero), so the residual stream holds ``channel`` there at every position. The EOS head row reads that coordinate
+    alone, scaled (bisection) so that EOS's mean probability over ``positions`` calibration positions is
+    ``probability``. Qwen2/Llama layer names (``self_attn.o_proj``, ``mlp.down_proj``)."""
+    vocab, width = lm.config.vocab_size, lm.config.hidden_size
+    lm.get_input_embeddings().weight[:, 0] = channel
+    for layer in lm.get_decoder().layers:
+        layer.self_attn.o_proj.weight[0] = 0.0
+        layer.mlp.down_proj.weight[0] = 0.0
+    head = lm.get_output_embeddings().weight  # tied or not: its row eos_id is set below, after the calibration
+
+    def final_channel_and_rest(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (positions // 32, 32), generator=torch.Generator().manual_seed(seed))
+        ids[ids == eos_id] = (eos_id + 1) % vocab  # prompts hold no EOS
+        hidden = lm.get_decoder()(ids).last_hidden_state.reshape(-1, width).float()  # [positions, d]
+        others = hidden @ head.float().T  # [positions, V]
+        others[:, eos_id] = -torch.inf
+        return hidden[:, 0], others.logsumexp(dim=-1)  # [positions] each
+
+    def mean_p(scale: float, along: torch.Tensor, rest: torch.Tensor) -> float:
         return float(torch.sigmoid(scale * along - rest).mean())
 
-    while mean_p(high) < probability and high < 1e6:
+    along, rest = final_channel_and_rest(1)
+    low, high = 0.0, 1.0
+    while mean_p(high, along, rest) < probability and high < 1e6:
         high *= 2
     for _ in range(60):
-        low, high = (low, (low + high) / 2) if mean_p((low + high) / 2) > probability else ((low + high) / 2, high)
-    head[eos_id] = (high * direction).to(head.dtype)
-    return mean_p(high)
+        mid = (low + high) / 2
+        low, high = (low, mid) if mean_p(mid, along, rest) > probability else (mid, high)
+    head[eos_id] = 0.0
+    head[eos_id, 0] = high
+    return mean_p(high, *final_channel_and_rest(2))
 
 
 def run_train(command: list[str], output_dir: Path, timeout_s: float) -> tuple[list[dict], dict]:
@@ -180,7 +198,7 @@ def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
     shape, eos_probability, rollout = GENERATION_CASES[name]
     shape = QUICK if args.quick else shape
     checkpoint, output_dir = scratch / f"{name}_model", scratch / f"{name}_run"
-    parameters = write_checkpoint(checkpoint, shape, eos_probability=eos_probability)
+    parameters, eos_measured = write_checkpoint(checkpoint, shape, eos_probability=eos_probability)
     rollout = ROLLOUT_QUICK if args.quick else rollout
     command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"], rollout)
     records, config = run_train(command, output_dir, args.case_timeout)
@@ -204,6 +222,7 @@ def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
                 "parameters": parameters,
                 "vocab": shape["vocab_size"],
                 "eos_reachable": eos_probability is not None,
+                "eos_probability_fresh_prompts": eos_measured,  # reach_eos's check on prompts it was not fitted to
                 "command": " ".join(["python", *command[1:]]),
             }
         )
