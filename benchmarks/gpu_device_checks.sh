@@ -5,7 +5,10 @@
 #   cuda_tests.log/.jsonl    tests/test_cuda_paths.py and the compiled fused proxy's CUDA tests; their measurements
 #   grad_norms_before.jsonl  the chunked-head cases again with the otb_ref in $OTB_REF_BEFORE (e.g. the previous
 #                            commit's package), when that folder exists: a fix measured against its baseline in one run
-#   gpu_train_step.jsonl     with GENERATION_05B=1: benchmarks/gpu_train_step.py's 0.5B generation case (EOS reachable)
+#   gpu_train_step.jsonl     with GENERATION_05B=1: benchmarks/gpu_train_step.py's 0.5B generation case (EOS reachable);
+#                            with TRAIN_STEP_VARIANT=micro32 (say): that train_step variant (MFU under three counts)
+#   grad_norms_profile.jsonl with PROFILE=1: the first case's profile (device and host time, launches, syncs)
+# NORMS_ONLY / BEFORE_ONLY (full | chunked) pick the norms cases of each run (BEFORE_ONLY defaults to chunked).
 # In priority order (issue 41); each stage has its own timeout (NORMS_TIMEOUT, TESTS_TIMEOUT, GENERATION_TIMEOUT, in
 # seconds) so that one stuck stage cannot eat a lease of 15 minutes.
 # Usage (from the repository root, on the GPU machine): OTB_REF_COMMIT=$(git rev-parse HEAD) benchmarks/gpu_device_checks.sh
@@ -20,18 +23,29 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
     echo "commit ${OTB_REF_COMMIT:-unknown}, $(date -u +%Y-%m-%dT%H:%MZ)"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-timeout "${NORMS_TIMEOUT:-300}" python3 benchmarks/grad_norms.py --gpu --loop-rows 2 2>&1 | tee "$OUT/grad_norms.jsonl"
+timeout "${NORMS_TIMEOUT:-300}" python3 benchmarks/grad_norms.py --gpu --loop-rows 2 ${NORMS_ONLY:+--only $NORMS_ONLY} \
+    2>&1 | tee "$OUT/grad_norms.jsonl"
 # The machine's transformers/torch may warn of deprecations the CI versions do not: reported, not failed, here.
 OTB_REF_RECORDS=$OUT/cuda_tests.jsonl timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
     -W "default::DeprecationWarning" -W "default::FutureWarning" \
     tests/test_cuda_paths.py tests/test_otb_ref/test_proxy_fused.py -k "cuda" 2>&1 | tee "$OUT/cuda_tests.log"
 if [ -d "${OTB_REF_BEFORE:-/nonexistent}/otb_ref" ]; then
-    PYTHONPATH=$OTB_REF_BEFORE:$PWD timeout 200 python3 benchmarks/grad_norms.py --gpu --only chunked --loop-rows 2 \
-        2>&1 | tee "$OUT/grad_norms_before.jsonl"
+    PYTHONPATH=$OTB_REF_BEFORE:$PWD timeout "${BEFORE_TIMEOUT:-200}" python3 benchmarks/grad_norms.py --gpu \
+        --only "${BEFORE_ONLY:-chunked}" --loop-rows 2 2>&1 | tee "$OUT/grad_norms_before.jsonl"
 fi
 # Item 3's generation at the 0.5B shape (V = 151,936, EOS reachable, mixed prompt lengths), when asked for.
 if [ -n "${GENERATION_05B:-}" ]; then
     timeout "${GENERATION_TIMEOUT:-200}" python3 benchmarks/gpu_train_step.py --only generation \
         --generation qwen05b_eos_reachable --case-timeout "$((${GENERATION_TIMEOUT:-200} - 15))" \
+        --out "$OUT/gpu_train_step.jsonl" 2>&1 | tail -n 20
+fi
+# The one-pass norms' profile (device time, host time, launches and syncs of the first case), when asked for.
+if [ -n "${PROFILE:-}" ]; then
+    timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/grad_norms.py --gpu --profile > "$OUT/grad_norms_profile.jsonl" 2>&1
+fi
+# Item 3's update MFU under three counts (6N, PaLM, torchtitan): one train_step variant, when asked for.
+if [ -n "${TRAIN_STEP_VARIANT:-}" ]; then
+    timeout "${TRAIN_STEP_TIMEOUT:-200}" python3 benchmarks/gpu_train_step.py --only train_step \
+        --variants "$TRAIN_STEP_VARIANT" --case-timeout "$((${TRAIN_STEP_TIMEOUT:-200} - 20))" \
         --out "$OUT/gpu_train_step.jsonl" 2>&1 | tail -n 20
 fi

@@ -193,6 +193,18 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
             for e in events
         ]
         record[name + "_total_device_ms"] = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
+        # Host side: where the CPU's time goes, kernel launches, and host syncs (a pass waiting on the host shows here)
+        by_cpu = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+        record[name + "_top_cpu"] = [
+            dict(op=e.key[:80], calls=e.count, cpu_ms=e.self_cpu_time_total / 1e3) for e in by_cpu
+        ]
+        record[name + "_host_calls"] = {
+            e.key: e.count
+            for e in prof.key_averages()
+            if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                         "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item", "aten::_local_scalar_dense")
+        }  # fmt: skip
+        record[name + "_total_cpu_ms"] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
     return record
 
 

@@ -362,7 +362,7 @@ class _HeadNorms:
     def __init__(self, tape: _Tape, call: _Call, hidden: torch.Tensor, vocab: int, chunk_size: int):
         self.tape, self.call, self.hidden = tape, call, hidden  # hidden [B, T, d]
         rows, positions, width = hidden.shape
-        partners = tape.partners(call)
+        partners = call.partners
         if any(p.kind != "embedding" for p in partners):
             raise ValueError(
                 "lm_head: its weight is used by another call than the input embedding's; lm_head_log_probs "
@@ -436,6 +436,7 @@ class _Call:
     arrived: bool = False  # the output gradient g has been seen
     grad: torch.Tensor | None = None  # g, kept when a parameter is shared (for the cross terms)
     grad_at_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # tied LM head: c_t[x_s] per embedding call
+    partners: list[_Call] = field(default_factory=list)  # the other calls using one of its parameters (set at backward)
 
 
 @dataclass
@@ -458,9 +459,10 @@ class _Tape:
 
     def __init__(self, model: nn.Module, linear_method: str = "auto"):
         self.layers = _supported_layers(model)
+        self.trainable = {module: _trainable(module) for module in self.layers}  # read once, not per call
         self.linear_method = linear_method  # one of LINEAR_METHODS
         self.calls: list[_Call] = []
-        self.total: torch.Tensor | None = None
+        self.terms: list[torch.Tensor] = []  # [B] float64 each: every norm and cross term, summed once by finish()
         self.hooks: list = []  # handles of the output-gradient hooks
         self.candidates: list[torch.Tensor] = []  # every output, until a call whose input needs no gradient is seen
         self.has_source = False
@@ -468,6 +470,7 @@ class _Tape:
         self.packed_at_entry: dict[nn.Module, int] = {}
         self.waiting: dict[nn.Module, list[_Call]] = {}  # recomputed calls whose input has not come back yet
         self.ready: list[_Call] = []  # recomputed calls with input and output gradient, norms not yet computed
+        self.probes: dict = {}  # _fingerprint's probe vectors
 
     @contextlib.contextmanager
     def recording(self):
@@ -509,7 +512,7 @@ class _Tape:
         call = _Call(module, kind, x, output if is_source else None, params, not is_source, rows=x.shape[0])
         checkpointed = self.packed == self.packed_at_entry.pop(module, -1)  # saved nothing through the tape's hooks
         if checkpointed and not is_source:  # a start (an embedding too) keeps its input: nothing recomputes it for it
-            call.inputs, call.recomputed, call.fingerprint = None, True, _fingerprint(x)
+            call.inputs, call.recomputed, call.fingerprint = None, True, _fingerprint(x, self.probes)
             self.waiting.setdefault(module, []).append(call)
         self.calls.append(call)
         self.hooks.append(output.register_hook(lambda g: self._add(call, g.detach())))
@@ -539,7 +542,7 @@ class _Tape:
         if len(waiting) == 1:
             call = waiting.pop()
         else:  # one layer, several waiting calls: pair by content (a host read, in this rare case only)
-            fingerprint = _fingerprint(x)
+            fingerprint = _fingerprint(x, self.probes)
             matches = [c for c in waiting if _close(fingerprint, c.fingerprint)]
             if not matches:
                 raise ValueError(
@@ -583,8 +586,10 @@ class _Tape:
                     f"model: {type(call.module).__name__} saw {call.rows} rows in dim 0, the objective "
                     f"has {rows}: layers must keep the batch (row) dimension first"
                 )
-        self.total = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.shared = _shared_parameters(self.calls)
+        self.rows, self.device = rows, device
+        self.shared = _shared_parameters(self.calls, self.trainable)
+        for call in self.calls:
+            call.partners = self.partners(call)
 
     def sources(self) -> list[torch.Tensor]:
         """Outputs of calls whose input needs no gradient: the backward to them passes every layer (else every
@@ -601,7 +606,7 @@ class _Tape:
         """The other calls that use one of ``call``'s trainable parameters."""
         return [
             c
-            for p in _trainable(call.module).values()
+            for p in self.trainable[call.module].values()
             if id(p) in self.shared
             for c, _ in self.shared[id(p)].calls
             if c is not call
@@ -613,23 +618,21 @@ class _Tape:
         if call.inputs is None:  # a recomputed call's input comes back later
             call.pending = g
             return
-        partners = self.partners(call)
+        partners, own = call.partners, self.trainable[call.module]
         if call.kind == "linear" and partners and all(c.kind == "embedding" for c in partners):
             # A tied LM head keeps c_t[x_s] [B, T, S] for each embedding call, not the [B, T, V] logit gradients.
             c = _rows3(g)
             ids = {id(e): _ids(e, c.shape[0])[:, None, :].expand(-1, c.shape[1], -1) for e in partners}
-            self.book(
-                call, _own_norms_sq(call, g, self.linear_method).values(), {k: c.gather(2, i) for k, i in ids.items()}
-            )
+            at_ids = {k: c.gather(2, i) for k, i in ids.items()}
+            self.book(call, _own_norms_sq(call, g, own, self.linear_method).values(), at_ids)
         else:
             call.grad = g if partners else None
-            self.book(call, _own_norms_sq(call, g, self.linear_method).values(), {})
+            self.book(call, _own_norms_sq(call, g, own, self.linear_method).values(), {})
         if not partners:
             call.inputs = None  # used: let it go
 
     def book(self, call: _Call, norms_sq, grad_at_ids: dict[int, torch.Tensor]) -> None:
-        for norm_sq in norms_sq:
-            self.total += norm_sq
+        self.terms.extend(norms_sq)
         call.grad_at_ids.update(grad_at_ids)
         call.arrived = True
 
@@ -646,9 +649,11 @@ class _Tape:
             pairs = [(a, b) for k, a in enumerate(shared.calls) for b in shared.calls[k + 1 :]]
             for (call_a, name_a), (call_b, name_b) in pairs:
                 if call_a.arrived and call_b.arrived:
-                    self.total += 2 * _cross(call_a, name_a, call_b, name_b)
+                    self.terms.append(2 * _cross(call_a, name_a, call_b, name_b))
         self.calls.clear()
-        return self.total
+        if not self.terms:
+            return torch.zeros(self.rows, dtype=torch.float64, device=self.device)
+        return torch.stack(self.terms).sum(dim=0)  # one sum: a per-term `total +=` costs a launch per layer call
 
 
 # --------------------------------------------------------------------------- which layers, which parameters
@@ -687,11 +692,11 @@ def _supported_layers(model: nn.Module) -> dict[nn.Module, str]:
     return layers
 
 
-def _shared_parameters(calls: list[_Call]) -> dict[int, _Shared]:
+def _shared_parameters(calls: list[_Call], trainable: dict[nn.Module, dict[str, nn.Parameter]]) -> dict[int, _Shared]:
     """Parameters that more than one call uses, by ``id``."""
     users: dict[int, _Shared] = {}
     for call in calls:
-        for name, p in _trainable(call.module).items():
+        for name, p in trainable[call.module].items():
             users.setdefault(id(p), _Shared()).calls.append((call, name))
     return {key: shared for key, shared in users.items() if len(shared.calls) > 1}
 
@@ -699,9 +704,9 @@ def _shared_parameters(calls: list[_Call]) -> dict[int, _Shared]:
 # --------------------------------------------------------------------------- per-row squared norms
 
 
-def _own_norms_sq(call: _Call, g: torch.Tensor, linear_method: str) -> dict[str, torch.Tensor]:
-    """``{parameter name: [B] float64}``: each trainable parameter's ``||∇ f_i||²`` from this call alone."""
-    own = _trainable(call.module)
+def _own_norms_sq(call: _Call, g: torch.Tensor, own: dict, linear_method: str) -> dict[str, torch.Tensor]:
+    """``{parameter name: [B] float64}``: each trainable parameter (``own``, the module's) ``||∇ f_i||²`` from this
+    call alone."""
     if call.kind == "linear":
         a = call.inputs.reshape(call.inputs.shape[0], -1, call.inputs.shape[-1])  # [B, T, d_in]
         g = g.reshape(g.shape[0], -1, g.shape[-1])  # [B, T, d_out]
@@ -713,7 +718,7 @@ def _own_norms_sq(call: _Call, g: torch.Tensor, linear_method: str) -> dict[str,
         return out
     if call.kind == "embedding":
         return {"weight": embedding_norms_sq(call.inputs, g, call.module.num_embeddings)}
-    grads = _norm_layer_row_grads(call, g)  # {name: [B, *shape]}
+    grads = _norm_layer_row_grads(call, g, list(own))  # {name: [B, *shape]}
     return {n: _squared_norms(gr) for n, gr in grads.items()}
 
 
@@ -749,16 +754,21 @@ def linear_weight_norms_sq(a: torch.Tensor, g: torch.Tensor, method: str = "auto
     """
     rows, positions, d_in = a.shape
     gram = _use_gram(positions, d_in, g.shape[-1], method)
+    blocks = list(_row_blocks(rows, positions * positions if gram else d_in * g.shape[-1]))
+    if len(blocks) == 1:
+        return _linear_block_norms_sq(a, g, gram)
     out = torch.empty(rows, dtype=torch.float64, device=a.device)
-    per_row = positions * positions if gram else d_in * g.shape[-1]
-    for r in _row_blocks(rows, per_row):
-        if gram:  # Σ_{s,t} (a_s · a_t)(g_s · g_t)
-            aa = batched_matmul(a[r], a[r].transpose(1, 2))  # [b, T, T]
-            gg = batched_matmul(g[r], g[r].transpose(1, 2))  # [b, T, T]
-            out[r] = (aa * gg).sum(dim=(1, 2), dtype=torch.float64)
-        else:  # ||G_i||², G_i = g_iᵀ a_i
-            out[r] = _squared_norms(batched_matmul(g[r].transpose(1, 2), a[r]))
+    for r in blocks:
+        out[r] = _linear_block_norms_sq(a[r], g[r], gram)
     return out
+
+
+def _linear_block_norms_sq(a: torch.Tensor, g: torch.Tensor, gram: bool) -> torch.Tensor:
+    if gram:  # Σ_{s,t} (a_s · a_t)(g_s · g_t)
+        aa = batched_matmul(a, a.transpose(1, 2))  # [b, T, T]
+        gg = batched_matmul(g, g.transpose(1, 2))  # [b, T, T]
+        return (aa * gg).sum(dim=(1, 2), dtype=torch.float64)
+    return _squared_norms(batched_matmul(g.transpose(1, 2), a))  # ||G_i||², G_i = g_iᵀ a_i
 
 
 def _use_gram(positions: int, d_in: int, d_out: int, method: str) -> bool:
@@ -783,14 +793,13 @@ def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.
     return out.index_add_(0, keys // vocab, _squared_norms(summed))
 
 
-def _norm_layer_row_grads(call: _Call, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _norm_layer_row_grads(call: _Call, g: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """Per-row gradients of a norm layer's trainable parameters ``[B, *shape]`` each.
 
     Fast path, for layers of the form ``out = w ⊙ n(x) + b`` (LayerNorm, RMSNorm): ``n = layer(x; w=1, b=0)``
     in one batched call, ``∇_w f_i = Σ_t g_t ⊙ n_t`` and ``∇_b f_i = Σ_t g_t``. The form is verified against
     the recorded output; any other layer (e.g. ``(1 + w) ⊙ n``) takes a vmapped vector-Jacobian product.
     """
-    names = list(_trainable(call.module))
     if set(call.params) <= {"weight", "bias"} and "weight" in call.params:
         normalized = _affine_norm_input(call, verify=type(call.module) not in _AFFINE_NORM_CLASSES)  # or None
         if normalized is not None:
@@ -887,12 +896,17 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """``[B, 10]`` per row (float32, float64 for float64): the first 8 values, the sum and the norm; tells which of
-    a layer's checkpointed calls a recomputed input belongs to."""
-    rows, dtype = x.reshape(x.shape[0], -1), compute_dtype(x)
-    summary = [rows.sum(dim=1, dtype=dtype), torch.linalg.vector_norm(rows, dim=1, dtype=dtype)]
-    return torch.cat([rows[:, :8].to(dtype), torch.stack(summary, dim=1)], dim=1)
+def _fingerprint(x: torch.Tensor, probes: dict) -> torch.Tensor:
+    """``[B, positions, 1]``: every position's vector ``x_t`` projected on a fixed probe (one matmul, in ``x``'s
+    dtype); tells which of a layer's checkpointed calls a recomputed input belongs to. The probe, ``frac(k φ) − ½``
+    for k = 1 … width (φ the golden ratio: equidistributed, no pattern of a model's), is built on the device (no host
+    copy) once per width, dtype and device, in ``probes``."""
+    width = x.shape[-1]
+    key = (width, x.dtype, x.device)
+    if key not in probes:
+        k = torch.arange(1, width + 1, dtype=torch.float64, device=x.device)
+        probes[key] = ((k * 0.6180339887498949) % 1.0 - 0.5).to(x.dtype)[:, None]  # [width, 1]
+    return x.reshape(x.shape[0], -1, width) @ probes[key]
 
 
 def _ids(embedding: _Call, rows: int) -> torch.Tensor:
