@@ -28,7 +28,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Rollout", "sampling_uniforms", "sample_tokens", "position_ids_from_mask", "generate"]
+__all__ = [
+    "Rollout",
+    "sampling_uniforms",
+    "sample_tokens",
+    "draw_disagreement_probability",
+    "position_ids_from_mask",
+    "generate",
+]
 
 # forward(input_ids [B, k], attention_mask [B, L], position_ids [B, k], cache) -> (next-token logits [B, V], cache)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
@@ -114,6 +121,26 @@ def sample_tokens(
     index = torch.minimum(index, top)
     token = index if order is None else order.gather(-1, index)
     return token.squeeze(-1)
+
+
+def draw_disagreement_probability(
+    logits_a: torch.Tensor, logits_b: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B]``: per row, the probability over ``u ~ U[0, 1)`` that :func:`sample_tokens` (float64, ``top_p = 1``)
+    draws different tokens from ``logits_a`` and from ``logits_b`` with the same uniform ``u``.
+
+    Token ``i`` owns ``u ∈ [c_{i-1}, c_i) / M`` under each distribution's CDF ``c`` (mass ``M``), so the draw is the
+    number of normalised CDF values ``≤ u``; the two draws differ on the intervals between the merged breakpoints of
+    both CDFs where those counts differ, and the probability is those intervals' total length. Exact up to the
+    float64 rounding of the CDFs (``c_i / M`` here against ``u × M`` in the sampler: ~1e-16 per boundary). It is
+    at most ``Σ_i |c_i − c'_i| / M`` (the coupling bound), often far less.
+    """
+    cdfs = [torch.softmax(x.double() / temperature, dim=-1).cumsum(dim=-1) for x in (logits_a, logits_b)]
+    a, b = (c / c[:, -1:] for c in cdfs)  # [B, V] each, ending at 1
+    points = torch.cat([torch.zeros_like(a[:, :1]), a, b], dim=-1).clamp(0.0, 1.0).sort(dim=-1).values  # [B, 2V+1]
+    middle = (points[:, 1:] + points[:, :-1]) / 2  # one u inside each interval between breakpoints
+    differ = torch.searchsorted(a, middle, right=True) != torch.searchsorted(b, middle, right=True)
+    return ((points[:, 1:] - points[:, :-1]) * differ).sum(dim=-1)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,13 @@ import threading
 import pytest
 import torch
 
-from otb_train.rollout import generate, position_ids_from_mask, sample_tokens, sampling_uniforms
+from otb_train.rollout import (
+    draw_disagreement_probability,
+    generate,
+    position_ids_from_mask,
+    sample_tokens,
+    sampling_uniforms,
+)
 
 
 def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
@@ -32,6 +38,38 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p():
     frequencies = torch.bincount(tokens, minlength=4).double() / 1000
     assert frequencies[1] == pytest.approx(0.5 / 0.75, abs=0.01)
     assert set(sample_tokens(logits.expand(1000, -1), uniforms, top_p=0.3).tolist()) == {1}  # at least the top token
+
+
+def test_draw_disagreement_probability_is_the_measure_of_uniforms_where_the_draws_differ():
+    """Against sample_tokens itself on a grid of N uniforms (k + ½)/N: the grid's fraction of differing draws is the
+    measure of the differing set to within one grid cell per breakpoint (2V of them). Rows: generic logits, a shared
+    prefix, zero-probability tokens (-inf), identical rows (0), point masses on different tokens (1), temperature."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 7, generator=generator, dtype=torch.float64) * 2
+    b = a + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.5
+    b[1, :3] = a[1, :3]  # the same first boundaries
+    a[2, 4], b[2, 1] = -torch.inf, -torch.inf  # tokens of probability 0
+    b[3] = a[3]  # identical: never differ
+    a[4], b[4] = torch.full((7,), -50.0, dtype=torch.float64), torch.full((7,), -50.0, dtype=torch.float64)
+    a[4, 0], b[4, 6] = 50.0, 50.0  # point masses on different tokens: always differ
+    n = 200_000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for temperature in (1.0, 0.7):
+        exact = draw_disagreement_probability(a, b, temperature)
+        for row in range(a.shape[0]):
+            draws = [sample_tokens(x[row].expand(n, -1), u, temperature) for x in (a, b)]
+            grid = (draws[0] != draws[1]).double().mean().item()
+            assert abs(grid - exact[row].item()) <= (2 * a.shape[1] + 1) / n, (row, temperature)
+    assert exact[3].item() == 0.0 and exact[4].item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_draw_disagreement_probability_is_at_most_the_coupling_bound():
+    generator = torch.Generator().manual_seed(4)
+    a = torch.randn(50, 30, generator=generator, dtype=torch.float64)
+    b = a + 0.3 * torch.randn(50, 30, generator=generator, dtype=torch.float64)
+    bound = (torch.softmax(a, -1).cumsum(-1) - torch.softmax(b, -1).cumsum(-1)).abs().sum(-1)
+    exact = draw_disagreement_probability(a, b)
+    assert bool((exact <= bound + 1e-12).all()) and bool((exact > 0).all())
 
 
 class ToyLM:
