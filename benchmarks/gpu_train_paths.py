@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_train_paths.py            # the issue's shapes (one H100: a few minutes)
     python benchmarks/gpu_train_paths.py --quick    # tiny shapes through every code path, seconds, CPU or GPU
-    python benchmarks/gpu_train_paths.py --only generation        # or: sampling | update
+    python benchmarks/gpu_train_paths.py --only generation        # or: sampling | decode | update
 
 Both phases run as train.py runs them: a 1-rank process group (NCCL on GPU, gloo on CPU), the policy
 wrapped by ``otb_train.model.Policy`` and sharded by ``otb_train.distributed.shard`` (FSDP2, bf16 parameters with fp32
@@ -22,6 +22,9 @@ id that is never sampled, so every row runs to the cap), inside ``distributed.ga
 ``agreement_with_old``: the fraction of response tokens equal to the old path's (bf16 kernels differ, so
 a row may diverge after a near-tie; not a correctness measure). ``bench: "sampling"``: float32 vs float64
 token agreement and batch-split invariance of ``sample_tokens`` on the device, at the vocabulary of Qwen2.5.
+
+``bench: "decode_breakdown"`` — where one decode step's time goes at Qwen2.5-0.5B's shape (V = 151,936), 256 rows:
+the static decoder's call, ``sample_tokens`` in float64 and float32, ``generate``'s bookkeeping; each timed alone.
 
 ``bench: "update"`` — Qwen2.5-0.5B's shape, random init from a config (hidden 896, 24 layers, 14 heads
 of 64, 2 KV heads, intermediate 4864, vocabulary 151936, tied embeddings): rows of prompt 512 + response
@@ -78,6 +81,9 @@ FULL = dict(
     gen_new=512,
     sample_vocab=151936,
     sample_rows=512,
+    decode_model=dict(QWEN25_05B),  # decode: Qwen2.5-0.5B's shape (tied), 256 rows of prompts up to 512 tokens
+    decode_rows=256,
+    decode_steps=64,
     update={k: v for k, v in QWEN25_05B.items() if k != "tie_word_embeddings"},  # Qwen2.5-0.5B's shape
     prompt=512,
     response=512,
@@ -93,6 +99,16 @@ QUICK = dict(
     gen_new=12,
     sample_vocab=1000,
     sample_rows=16,
+    decode_model=dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+    ),  # fmt: skip
+    decode_rows=8,
+    decode_steps=6,
     update=dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -318,6 +334,66 @@ def check_decoder(policy, inputs, cuda_graphs: bool, rows: int = 64, steps: int 
             "argmax_agreement": agree / (rows * steps),
         }
     )
+
+
+def bench_decode(shape: dict, env: distributed.Dist) -> None:
+    """Where a decode step's time goes at a real vocabulary: Qwen2.5-0.5B's shape (random init, sharded as train.py
+    shards it), ``decode_rows`` left-padded prompts of half to full 512 tokens, the static decoder (CUDA graphs on
+    CUDA). Per step, each part timed alone with the device synchronised around it: the decoder call (fed the argmax),
+    ``sample_tokens`` on its logits in float64 (train.py's default) and in float32, and ``generate``'s per-token
+    bookkeeping (EOS test, masks). Medians over ``decode_steps`` steps, in ms."""
+    config = shape["decode_model"]
+    vocab = config["vocab_size"]
+    with torch.device(env.device):
+        lm = tiny_causal_lm("qwen2", 0, **config, max_position_embeddings=2048)
+    policy = sharded_policy(lm, env, checkpointing=False)
+    inputs = generation_inputs(dict(gen_rows=shape["decode_rows"], gen_prompt=shape["prompt"],
+                                     gen_new=shape["decode_steps"]), vocab, env.device)  # fmt: skip
+    ids, mask, uniforms = inputs
+    steps, width = shape["decode_steps"], ids.shape[1]
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
+    positions = position_ids_from_mask(mask)
+    eos, alive = (
+        torch.tensor([vocab - 1], device=env.device),
+        torch.ones(ids.shape[0], dtype=torch.bool, device=env.device),
+    )
+    parts: dict[str, list[float]] = {"decoder": [], "sample_float64": [], "sample_float32": [], "bookkeeping": []}
+
+    def timed_part(name: str, fn):
+        start = sync(env.device)
+        out = fn()
+        parts[name].append((sync(env.device) - start) * 1e3)
+        return out
+
+    with torch.no_grad(), distributed.gathered_for_generation(policy):
+        decoder = StaticKVDecoder(policy, policy.lm, steps, cuda_graphs=env.device.type == "cuda")
+        logits, state = decoder(ids, mask, positions, None)
+        next_position = positions[:, -1:] + 1
+        for t in range(steps):
+            token = timed_part("sample_float64", lambda: sample_tokens(logits, uniforms[:, t]))
+            timed_part("sample_float32", lambda: sample_tokens(logits, uniforms[:, t], dtype=torch.float32))
+            alive = timed_part("bookkeeping", lambda: alive & ~torch.isin(torch.where(alive, token, 0), eos))
+            feed = logits.argmax(-1, keepdim=True)
+            logits, state = timed_part(
+                "decoder", lambda: decoder(feed, full_mask[:, : width + t + 1], next_position, state)
+            )
+            next_position = next_position + 1
+    warm = parts["decoder"][steps // 4 :]  # the first steps capture graphs for new span buckets
+    emit(
+        {
+            "bench": "decode_breakdown",
+            "rows": ids.shape[0],
+            "prompt_width": width,
+            "steps": steps,
+            "vocab": vocab,
+            "params": sum(p.numel() for p in lm.parameters()),
+            "cuda_graphs": env.device.type == "cuda",
+            **{f"{name}_ms": round(sorted(v)[len(v) // 2], 3) for name, v in parts.items()},
+            "decoder_ms_after_warmup": round(sorted(warm)[len(warm) // 2], 3),
+            "peak_memory_gib": peak_gib(env.device),
+        }
+    )
+    del policy, lm
 
 
 # ----------------------------------------------------------------------------- update
@@ -649,7 +725,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes through every code path (seconds)")
     parser.add_argument(
         "--only",
-        choices=("sampling", "generation", "update"),
+        choices=("sampling", "generation", "decode", "update"),
         action="append",
         help="run only these sections (repeatable)",
     )
@@ -662,7 +738,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler records")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
-    sections = args.only or ["sampling", "generation", "update"]
+    sections = args.only or ["sampling", "generation", "decode", "update"]
     env = distributed.init("auto")
     try:
         emit(environment(env))
@@ -672,6 +748,9 @@ def main(argv: list[str] | None = None) -> None:
         if "generation" in sections:
             with guarded("generation", "setup"):
                 bench_generation(shape, env, [p for p in args.generation_paths.split(",") if p], not args.no_profile)
+        if "decode" in sections:
+            with guarded("decode", "setup"):
+                bench_decode(shape, env)
         if "update" in sections:
             with guarded("update", "setup"):
                 bench_update(shape, env, args.peak_tflops, profile=not args.no_profile)

@@ -27,6 +27,9 @@ def test_gpu_benchmark_quick_on_cpu():
     assert {r["activation_checkpointing"] for r in update} == {False, True}
     assert all(r["mfu"] >= 0 and r["tokens_per_s"] > 0 for r in update)
     assert {r["top_p"] for r in records if r["bench"] == "sampling"} == {1.0, 0.9}
+    (decode,) = [r for r in records if r["bench"] == "decode_breakdown"]
+    parts = ("decoder_ms", "sample_float64_ms", "sample_float32_ms", "bookkeeping_ms")
+    assert decode["steps"] == 6 and all(decode[k] > 0 for k in parts)
 
 
 def test_train_step_benchmark_quick_on_cpu():
