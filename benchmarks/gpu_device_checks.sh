@@ -7,6 +7,7 @@
 #                            commit's package), when that folder exists: a fix measured against its baseline in one run
 #   gpu_train_step.jsonl     with GENERATION_05B=1: benchmarks/gpu_train_step.py's 0.5B generation case (EOS reachable);
 #                            with TRAIN_STEP_VARIANT=micro32 (say): that train_step variant (MFU under three counts)
+#   decode_breakdown.jsonl   with DECODE=1: gpu_train_paths.py --only decode (a 0.5B decode step, part by part)
 #   grad_norms_profile.jsonl with PROFILE=1: the first case's profile (device and host time, launches, syncs)
 # NORMS_ONLY / BEFORE_ONLY (full | chunked) pick the norms cases of each run (BEFORE_ONLY defaults to chunked).
 # In priority order (issue 41); each stage has its own timeout (NORMS_TIMEOUT, TESTS_TIMEOUT, GENERATION_TIMEOUT, in
@@ -38,6 +39,10 @@ if [ -n "${GENERATION_05B:-}" ]; then
     timeout "${GENERATION_TIMEOUT:-200}" python3 benchmarks/gpu_train_step.py --only generation \
         --generation qwen05b_eos_reachable --case-timeout "$((${GENERATION_TIMEOUT:-200} - 15))" \
         --out "$OUT/gpu_train_step.jsonl" 2>&1 | tail -n 20
+fi
+# Where a 0.5B decode step's time goes (decoder, float64/float32 sampler, bookkeeping), when asked for.
+if [ -n "${DECODE:-}" ]; then
+    timeout "${DECODE_TIMEOUT:-120}" python3 benchmarks/gpu_train_paths.py --only decode 2>&1 | tee "$OUT/decode_breakdown.jsonl"
 fi
 # The one-pass norms' profile (device time, host time, launches and syncs of the first case), when asked for.
 if [ -n "${PROFILE:-}" ]; then
