@@ -341,7 +341,8 @@ def bench_decode(shape: dict, env: distributed.Dist) -> None:
     shards it), ``decode_rows`` left-padded prompts of half to full 512 tokens, the static decoder (CUDA graphs on
     CUDA). Per step, each part timed alone with the device synchronised around it: the decoder call (fed the argmax),
     ``sample_tokens`` on its logits in float64 (train.py's default) and in float32, and ``generate``'s per-token
-    bookkeeping (EOS test, masks). Medians over ``decode_steps`` steps, in ms."""
+    EOS test (``bookkeeping``; not its column writes, nor its host check every 16 tokens). Medians over
+    ``decode_steps`` steps, in ms."""
     config = shape["decode_model"]
     vocab = config["vocab_size"]
     with torch.device(env.device):

@@ -121,17 +121,19 @@ def reach_eos(lm, eos_id: int, probability: float, positions: int = 256, channel
     EOS-margin checkpoints run every row to the cap).
 
     A random-init model's final hidden state is mostly its own token's embedding: no direction is shared by positions,
-    so an EOS row fitted to some prompts' mean hidden state gives other prompts ~1/V (at V = 151,936 the old fit gave
-    5e-6 on fresh prompts). So the model is given a channel every position carries: coordinate 0 of every input
-    embedding is ``channel`` and no layer writes to coordinate 0 (its row of each ``o_proj`` and ``down_proj`` is
-    zero), so the residual stream holds ``channel`` there at every position. The EOS head row reads that coordinate
-    alone, scaled (bisection) so that EOS's mean probability over ``positions`` calibration positions is
-    ``probability``. Qwen2/Llama layer names (``self_attn.o_proj``, ``mlp.down_proj``)."""
+    so an EOS row fitted to some prompts' mean hidden state gives other prompts ~1/V (at V = 151,936 such a fit ended
+    no response in 512 tokens). So the model is given a channel every position carries: coordinate 0 of every input
+    embedding is ``channel`` and no layer writes to coordinate 0 (its row of each ``o_proj`` and ``down_proj``, and
+    of their biases, is zero), so the residual stream holds ``channel`` there at every position. The EOS head row
+    reads that coordinate alone, scaled (bisection) so that EOS's mean probability over ``positions`` calibration
+    positions is ``probability``. Qwen2/Llama layer names (``self_attn.o_proj``, ``mlp.down_proj``)."""
     vocab, width = lm.config.vocab_size, lm.config.hidden_size
     lm.get_input_embeddings().weight[:, 0] = channel
     for layer in lm.get_decoder().layers:
-        layer.self_attn.o_proj.weight[0] = 0.0
-        layer.mlp.down_proj.weight[0] = 0.0
+        for writer in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            writer.weight[0] = 0.0
+            if writer.bias is not None:  # Llama with attention_bias / mlp_bias
+                writer.bias[0] = 0.0
     head = lm.get_output_embeddings().weight  # tied or not: its row eos_id is set below, after the calibration
 
     def final_channel_and_rest(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -470,7 +470,6 @@ class _Tape:
         self.packed_at_entry: dict[nn.Module, int] = {}
         self.waiting: dict[nn.Module, list[_Call]] = {}  # recomputed calls whose input has not come back yet
         self.ready: list[_Call] = []  # recomputed calls with input and output gradient, norms not yet computed
-        self.probes: dict = {}  # _fingerprint's probe vectors
 
     @contextlib.contextmanager
     def recording(self):
@@ -512,7 +511,7 @@ class _Tape:
         call = _Call(module, kind, x, output if is_source else None, params, not is_source, rows=x.shape[0])
         checkpointed = self.packed == self.packed_at_entry.pop(module, -1)  # saved nothing through the tape's hooks
         if checkpointed and not is_source:  # a start (an embedding too) keeps its input: nothing recomputes it for it
-            call.inputs, call.recomputed, call.fingerprint = None, True, _fingerprint(x, self.probes)
+            call.inputs, call.recomputed, call.fingerprint = None, True, _fingerprint(x)
             self.waiting.setdefault(module, []).append(call)
         self.calls.append(call)
         self.hooks.append(output.register_hook(lambda g: self._add(call, g.detach())))
@@ -542,7 +541,7 @@ class _Tape:
         if len(waiting) == 1:
             call = waiting.pop()
         else:  # one layer, several waiting calls: pair by content (a host read, in this rare case only)
-            fingerprint = _fingerprint(x, self.probes)
+            fingerprint = _fingerprint(x)
             matches = [c for c in waiting if _close(fingerprint, c.fingerprint)]
             if not matches:
                 raise ValueError(
@@ -896,17 +895,14 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _fingerprint(x: torch.Tensor, probes: dict) -> torch.Tensor:
-    """``[B, positions, 1]``: every position's vector ``x_t`` projected on a fixed probe (one matmul, in ``x``'s
-    dtype); tells which of a layer's checkpointed calls a recomputed input belongs to. The probe, ``frac(k φ) − ½``
-    for k = 1 … width (φ the golden ratio: equidistributed, no pattern of a model's), is built on the device (no host
-    copy) once per width, dtype and device, in ``probes``."""
-    width = x.shape[-1]
-    key = (width, x.dtype, x.device)
-    if key not in probes:
-        k = torch.arange(1, width + 1, dtype=torch.float64, device=x.device)
-        probes[key] = ((k * 0.6180339887498949) % 1.0 - 0.5).to(x.dtype)[:, None]  # [width, 1]
-    return x.reshape(x.shape[0], -1, width) @ probes[key]
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 10]`` per row (float32, float64 for float64): the first 8 values, the sum and the norm; tells which of
+    a layer's checkpointed calls a recomputed input belongs to. Made of reductions and slices, no matrix product: a
+    selective checkpointing policy that saves matrix products (the usual one) would otherwise cache this product too
+    and hand its output to the layers' own products in the recomputation (its cache is read back by position)."""
+    rows, dtype = x.reshape(x.shape[0], -1), compute_dtype(x)
+    summary = [rows.sum(dim=1, dtype=dtype), torch.linalg.vector_norm(rows, dim=1, dtype=dtype)]
+    return torch.cat([rows[:, :8].to(dtype), torch.stack(summary, dim=1)], dim=1)
 
 
 def _ids(embedding: _Call, rows: int) -> torch.Tensor:

@@ -1042,13 +1042,15 @@ class RegionsLM(nn.Module):
             self.norm.weight.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(0))
         if kind == "frozen_embedding":
             self.embed.weight.requires_grad_(False)
+        if kind in ("selective_two_mm", "two_lengths"):  # bias-free: their products are aten.mm
+            self.plain_a, self.plain_b = nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False)
 
     def region(self, fn, *args):
         from torch.utils.checkpoint import checkpoint
 
         if not self.checkpointing:
             return fn(*args)
-        if self.kind == "selective":
+        if self.kind.startswith("selective"):
             import functools
 
             from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -1070,6 +1072,10 @@ class RegionsLM(nn.Module):
             return self.head(h)
         if self.kind == "frozen_embedding":  # a layer on a frozen input (a start of the backward) alone in its region
             return self.head(torch.tanh(self.region(self.mix, h)).cumsum(dim=1))  # its region is never recomputed
+        if self.kind == "selective_two_mm":  # two matrix products in one region under a policy that saves them
+            return self.head(self.region(lambda x: torch.tanh(self.plain_b(torch.tanh(self.plain_a(x)))), h))
+        if self.kind == "two_lengths":  # one layer called twice in a region, on inputs of two sequence lengths
+            return self.head(self.region(lambda x: torch.cat([self.plain_a(x[:, :5]), self.plain_a(x[:, 5:])], 1), h))
         # "norm_last" and "selective": the region ends with a (1 + w) norm (the per-row VJP fallback)
         return self.head(self.region(lambda x: self.norm(x + torch.tanh(self.mix(x)).cumsum(dim=1)), h))
 
@@ -1085,11 +1091,15 @@ class OnePlusRMSNorm(nn.Module):
         return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-@pytest.mark.parametrize("kind", ["unused_region", "frozen_embedding", "norm_last", "selective"])
+@pytest.mark.parametrize(
+    "kind", ["unused_region", "frozen_embedding", "norm_last", "selective", "selective_two_mm", "two_lengths"]
+)
 def test_checkpointed_regions_of_every_kind_give_the_exact_norms(kind):
     """A region never recomputed for a layer's second call; a start of the backward in a region nothing
     recomputes; a norm whose output gradient comes before its region's recomputation (its VJP runs after it);
-    selective activation checkpointing."""
+    selective activation checkpointing, also with two matrix products under a policy that saves them (the tape's
+    own ops in the region must not be products: the policy's cache is read back by position); one layer called
+    on two sequence lengths in one region (fingerprints of two shapes)."""
     model = RegionsLM(kind).double()
     ids, response, _ = padded_batch(seed=23, vocab=13)
     got = sequence_grad_norms_sq(model, ids, response)
