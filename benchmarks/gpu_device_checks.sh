@@ -24,7 +24,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
     echo "commit ${OTB_REF_COMMIT:-unknown}, $(date -u +%Y-%m-%dT%H:%MZ)"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-timeout "${NORMS_TIMEOUT:-300}" python3 benchmarks/grad_norms.py --gpu --loop-rows 2 ${NORMS_ONLY:+--only $NORMS_ONLY} \
+timeout "${NORMS_TIMEOUT:-300}" python3 benchmarks/grad_norms.py --gpu --loop-rows 2 --pairs "${NORMS_PAIRS:-7}" ${NORMS_ONLY:+--only $NORMS_ONLY} \
     2>&1 | tee "$OUT/grad_norms.jsonl"
 # The machine's transformers/torch may warn of deprecations the CI versions do not: reported, not failed, here.
 OTB_REF_RECORDS=$OUT/cuda_tests.jsonl timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \

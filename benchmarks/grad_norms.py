@@ -16,9 +16,10 @@ own (``head: "full"``, [B, T, V] logits) or ``otb_ref.grad_norms.lm_head_log_pro
              B / rows: the record says ``loop_rows_timed``.
 Reported: median seconds over --repeats (after one warm-up), on CUDA also the GPU-busy seconds of one call of each
 pass (kernel time from the profiler, ``*_busy_s``; busy / wall far below 1 means the pass waits on the host), the
-ratios one_pass / ordinary and
-loop / one_pass, peak memory beyond the model (CUDA only: ``max_memory_allocated`` after a reset, minus
-what was allocated before), and the largest relative difference between one_pass and loop norms.
+ratios one_pass / ordinary and loop / one_pass, the paired ratio (``one_pass_over_ordinary_paired``: the median of
+--pairs back-to-back ordinary / one-pass pairs, robust to the machine drifting between the two medians; each pair
+in ``paired_ratios``), peak memory beyond the model (CUDA only: ``max_memory_allocated`` after a reset, minus what
+was allocated before), and the largest relative difference between one_pass and loop norms.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 
 import torch
 
-from harness import device_busy_seconds, machine, provenance, sync, timed
+from harness import device_busy_seconds, machine, paired_ratios, provenance, sync, timed
 from otb_ref import row_grad_norms_sq
 from otb_train.model import enable_hf_activation_checkpointing
 from otb_train.tiny_models import QWEN25_05B, tiny_causal_lm
@@ -127,6 +128,12 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
     # The lambdas run here, before the `del model` below frees the model (hence the F821 waivers).
     t_ord, m_ord, _ = timed(lambda: ordinary(model, ids, mask, head), device, args.repeats)  # noqa: F821
     t_one, m_one, norms = timed(lambda: one_pass(model, ids, mask, head), device, args.repeats)  # noqa: F821
+    pairs = paired_ratios(
+        lambda: ordinary(model, ids, mask, head),  # noqa: F821
+        lambda: one_pass(model, ids, mask, head),  # noqa: F821
+        device,
+        args.pairs,
+    )
     busy_ord = device_busy_seconds(lambda: ordinary(model, ids, mask, head), device)  # noqa: F821
     busy_one = device_busy_seconds(lambda: one_pass(model, ids, mask, head), device)  # noqa: F821
     loop_rows = min(rows, args.loop_rows)
@@ -138,6 +145,8 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
         loop_s=t_loop * rows / loop_rows,
         loop_rows_timed=loop_rows,
         one_pass_over_ordinary=t_one / t_ord,
+        one_pass_over_ordinary_paired=sorted(pairs)[len(pairs) // 2] if pairs else None,  # median of the pairs
+        paired_ratios=[round(r, 4) for r in pairs],
         loop_over_one_pass=t_loop * rows / loop_rows / t_one,
         max_rel_diff_one_pass_vs_loop=float(rel),
     )
@@ -254,6 +263,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, a 0.5B Qwen2-shaped model in bf16")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default: 3)")
+    parser.add_argument(
+        "--pairs", type=int, default=5, help="back-to-back ordinary/one-pass pairs for the paired ratio (default: 5)"
+    )
     parser.add_argument("--profile", action="store_true", help="only: top operators of the first case's two passes")
     parser.add_argument("--loop-rows", type=int, default=16, help="rows the loop times at most (default: 16)")
     parser.add_argument("--rss", action="store_true", help="only: CPU peak resident memory of each pass")

@@ -87,6 +87,22 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple
     return statistics.median(times), peak, result
 
 
+def paired_ratios(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], device: torch.device, pairs: int
+) -> list[float]:
+    """``b / a`` wall-clock ratios of ``pairs`` back-to-back calls (a then b, the device synchronised around each),
+    after one warm-up of each: a drift of the machine over the run moves both calls of a pair alike."""
+    fn_a(), fn_b()
+    ratios = []
+    for _ in range(pairs):
+        start = sync(device)
+        fn_a()
+        middle = sync(device)
+        fn_b()
+        ratios.append((sync(device) - middle) / (middle - start))
+    return ratios
+
+
 def device_busy_seconds(fn: Callable[[], object], device: torch.device) -> float | None:
     """Seconds the GPU spent running kernels during one call of ``fn`` (after a warm-up): the profiler's device
     time summed over every kernel. Beside the wall clock it shows a host-bound pass (wall much larger than busy).

@@ -285,6 +285,7 @@ def test_benchmark_command_quick():
     for record in records:
         assert record["one_pass_s"] > 0 and record["ordinary_s"] > 0 and record["loop_s"] > 0
         assert record["max_rel_diff_one_pass_vs_loop"] < 1e-5  # float32 model: rounding only
+        assert len(record["paired_ratios"]) == 5 and record["one_pass_over_ordinary_paired"] > 0
 
 
 # --------------------------------------------------------------------------- shared parameters, layer forms, rules
