@@ -129,6 +129,7 @@ def rollout(run: Run, step: int, data_position: int) -> Batch:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             keep_going=distributed.any_rank,
+            drop_finished=cfg.drop_finished_rows,
         )
     attention = torch.cat([prompt_mask.bool(), out.response_mask], dim=1)
     return Batch(
@@ -475,11 +476,12 @@ def use_static_decode(cfg: Config, lm: nn.Module, env: distributed.Dist) -> bool
     why = static_decode_unsupported(lm)
     if cfg.static_decode and why:
         raise UserError(f"--static-decode: {why}")
-    if cfg.static_decode is not None:
-        return cfg.static_decode
-    if env.device.type == "cuda" and why and env.is_main:
+    static = cfg.static_decode if cfg.static_decode is not None else env.device.type == "cuda" and why is None
+    if cfg.drop_finished_rows and not static:
+        raise UserError("--drop-finished-rows: only the static decoder drops rows (add --static-decode)")
+    if cfg.static_decode is None and env.device.type == "cuda" and why and env.is_main:
         print(f"train.py: generating with the model's own forward (static decode: {why})", file=sys.stderr)
-    return env.device.type == "cuda" and why is None
+    return static
 
 
 def restore(run: Run) -> tuple[dict, Path | None]:

@@ -37,7 +37,7 @@ fi
 # Item 3's generation at the 0.5B shape (V = 151,936, EOS reachable, mixed prompt lengths), when asked for.
 if [ -n "${GENERATION_05B:-}" ]; then
     timeout "${GENERATION_TIMEOUT:-200}" python3 benchmarks/gpu_train_step.py --only generation \
-        --generation qwen05b_eos_reachable --case-timeout "$((${GENERATION_TIMEOUT:-200} - 15))" \
+        --generation ${GENERATION_CASES:-qwen05b_eos_reachable qwen05b_eos_reachable_drop} --case-timeout "$((${GENERATION_TIMEOUT:-200} - 15))" \
         --out "$OUT/gpu_train_step.jsonl" 2>&1 | tail -n 20
 fi
 # Where a 0.5B decode step's time goes (decoder, float64/float32 sampler, bookkeeping), when asked for.

@@ -20,7 +20,8 @@ of each step; ``default_in_train``: config.json records ``static_decode: true`` 
 That case (``case: "built_in_v64"``) is the vocabulary-64 figure with EOS unreachable; ``"qwen05b_eos_reachable"``
 is what a user of a 0.5B model sees: Qwen2.5-0.5B's shape (V = 151,936), a channel every position carries and the EOS
 head row reading it, so that EOS has probability ~1/200 per token (``reach_eos``; responses end at mixed lengths),
-copy-task prompts of 17–512 tokens, 256 rows. Each record has ``vocab``, ``eos_reachable``, ``copy_lengths``,
+copy-task prompts of 17–512 tokens, 256 rows; ``"qwen05b_eos_reachable_drop"`` the same with ``--static-decode
+--drop-finished-rows``. Each record has ``vocab``, ``eos_reachable``, ``drop_finished_rows``, ``copy_lengths``,
 ``mean_response_tokens`` and ``truncated_fraction``.
 
 ``bench: "train_step"`` — Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads of 64, 2 KV heads, intermediate
@@ -76,10 +77,12 @@ ROLLOUT_MIXED = [
     "16",
     "511",
 ]
-# Generation cases: (shape, EOS probability per token or None for never, rollout flags).
+# Generation cases: (shape, EOS probability per token or None for never, rollout flags, decoder flags).
+DROP = ["--static-decode", "--drop-finished-rows"]  # finished rows leave the static decoder's batch at the checks
 GENERATION_CASES = {
-    "built_in_v64": (GENERATION, None, ROLLOUT),
-    "qwen05b_eos_reachable": (QWEN_05B, 1 / 200, ROLLOUT_MIXED),
+    "built_in_v64": (GENERATION, None, ROLLOUT, []),
+    "qwen05b_eos_reachable": (QWEN_05B, 1 / 200, ROLLOUT_MIXED, []),
+    "qwen05b_eos_reachable_drop": (QWEN_05B, 1 / 200, ROLLOUT_MIXED, DROP),
 }
 STEP_ROWS = ["--prompts-per-step", "32"]  # train_step: 256 rows (32 prompts x 8)
 VARIANTS = {  # train_step variants: extra train.py flags
@@ -197,12 +200,12 @@ def train_command(args, checkpoint: Path | None, output_dir: Path, extra: list[s
 
 def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
     """``name`` of :data:`GENERATION_CASES`: train.py's rollout phase on that checkpoint (two steps)."""
-    shape, eos_probability, rollout = GENERATION_CASES[name]
+    shape, eos_probability, rollout, decoder_flags = GENERATION_CASES[name]
     shape = QUICK if args.quick else shape
     checkpoint, output_dir = scratch / f"{name}_model", scratch / f"{name}_run"
     parameters, eos_measured = write_checkpoint(checkpoint, shape, eos_probability=eos_probability)
     rollout = ROLLOUT_QUICK if args.quick else rollout
-    command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32"], rollout)
+    command = train_command(args, checkpoint, output_dir, ["--micro-batch-size", "32", *decoder_flags], rollout)
     records, config = run_train(command, output_dir, args.case_timeout)
     rows = config["prompts_per_step"] * config["group_size"]
     for record in records:
@@ -211,8 +214,9 @@ def case_generation(bench: Bench, args, scratch: Path, name: str) -> None:
                 "bench": "generation",
                 "case": name,
                 "step": record["step"],
-                "default_in_train": config["static_decode"] is True,
+                "default_in_train": config["static_decode"] is True and not decoder_flags,
                 "static_decode": config["static_decode"],
+                "drop_finished_rows": config["drop_finished_rows"],
                 "rows": rows,
                 "max_new_tokens": config["max_new_tokens"],
                 "copy_lengths": config["copy_lengths"],

@@ -126,6 +126,11 @@ class Config:
         "generate with otb_train.static_decode (static KV cache, CUDA graphs on GPU); default: on with CUDA when the "
         "model is supported, off on CPU",
     )
+    drop_finished_rows: bool = _flag(
+        False,
+        "static decoder: once at most half the rows being generated are alive at a check, generate the alive ones "
+        "only (rollouts equal up to kernel rounding; not yet measured on a GPU, so off by default)",
+    )
     compile_layers: bool = _flag(False, "torch.compile each decoder layer (the first steps compile)")
     logprob_chunk_size: int = _flag(0, "rows per chunk of the LM-head log-prob pass (0: library default)")
     sample_every: int = _flag(

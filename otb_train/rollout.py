@@ -179,6 +179,7 @@ def generate(
     keep_going: Callable[[bool], bool] | None = None,
     check_every: int = 16,
     sample_dtype: torch.dtype = torch.float64,
+    drop_finished: bool = False,
 ) -> Rollout:
     """Sample one response per row of left-padded prompts, with a KV cache.
 
@@ -208,6 +209,11 @@ def generate(
             ``check_every=1`` exactly, at the cost of up to
             ``check_every - 1`` extra forward calls.
         sample_dtype: precision of :func:`sample_tokens` (default ``float64``; see there).
+        drop_finished: at a check where at most half of the rows being decoded are alive, decode only the alive
+            ones from then on (``forward.select_rows(rows)`` keeps its cache's rows; a ``forward`` without
+            ``select_rows``, e.g. the model's own, is never narrowed). Each row's tokens are still a function of
+            its own logits and uniforms; only the batch its logits are computed in gets smaller, so kernels may
+            round differently (as between ranks). Off by default.
 
     Returns:
         :class:`Rollout` with ``T = `` the number of decoding steps a check
@@ -229,20 +235,29 @@ def generate(
     masks = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
     alive_after = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
     alive = torch.ones(batch_size, dtype=torch.bool, device=device)
+    rows: slice | torch.Tensor = slice(None)  # the batch rows being decoded (all, until drop_finished narrows)
+    narrow = drop_finished and hasattr(forward, "select_rows")
     checked, stop = 0, None  # columns before `checked` passed their check; `stop`: a check said stop after it
     for t in range(max_new_tokens):
         token = sample_tokens(logits, uniforms[:, t], temperature, top_p, sample_dtype)
         token = torch.where(alive, token, pad_token_id)
-        tokens[:, t], masks[:, t] = token, alive
+        tokens[rows, t], masks[rows, t] = token, alive
         alive = alive & ~torch.isin(token, eos)
-        alive_after[:, t] = alive
+        alive_after[rows, t] = alive
         if t + 1 == max_new_tokens:
             break
         if (t + 1) % check_every == 0:
-            if not keep(bool(alive.any())):
+            alive_rows = int(alive.sum())  # the check's one host read
+            if not keep(alive_rows > 0):
                 stop = t
                 break
             checked = t + 1
+            if narrow and 0 < alive_rows <= alive.shape[0] // 2:  # decode the alive rows only from here on
+                keep_rows = alive.nonzero().squeeze(1)
+                forward.select_rows(keep_rows)
+                rows = keep_rows if isinstance(rows, slice) else rows[keep_rows]
+                token, alive, next_position = token[keep_rows], alive[keep_rows], next_position[keep_rows]
+                uniforms, attention_mask = uniforms[keep_rows], attention_mask[keep_rows]
         logits, cache = forward(token[:, None], attention_mask[:, : prompt_len + t + 1], next_position, cache)
         next_position = next_position + 1
     last = stop if stop is not None else max_new_tokens - 1  # the last column never checked itself

@@ -294,6 +294,16 @@ class StaticKVDecoder:
         self._check_parameters()
         return logits, self
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current batch, in that order) of every buffer: the rows the
+        caller still decodes. The graphs captured for the old batch size are dropped with their memory pool; each
+        span is captured again, once, for the new batch."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self.kv_valid = self.kv_valid.index_select(0, rows)
+        self.token, self.position = self.token.index_select(0, rows), self.position.index_select(0, rows)
+        self.graphs, self.pool = {}, None
+
     def _check_parameters(self) -> None:
         """The decode step needs whole (gathered) parameters, not FSDP shards."""
         try:

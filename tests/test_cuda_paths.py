@@ -134,7 +134,8 @@ def test_static_decode_with_cuda_graphs_equals_the_models_forward(kind):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_generate_with_cuda_graphs_gives_the_same_rollout(kind):
-    """fp32, EOS reachable: the static decoder with CUDA graphs and the model's forward sample the same tokens."""
+    """fp32, EOS reachable: the static decoder with CUDA graphs and the model's forward sample the same tokens, also
+    when finished rows are dropped (``drop_finished``)."""
     lm = tiny_causal_lm(kind, **SMALL).eval().to(CUDA)
     ids, mask = left_padded_prompts()
     uniforms = sampling_uniforms(0, 3, num_rows=ids.shape[0], max_new_tokens=40)
@@ -146,6 +147,11 @@ def test_generate_with_cuda_graphs_gives_the_same_rollout(kind):
     assert torch.equal(reference.response_ids, static.response_ids)
     assert torch.equal(reference.response_mask, static.response_mask)
     assert torch.equal(reference.finished, static.finished)
+    # drop_finished: the batch narrows, its graphs are captured again for the smaller batch; the same rollout
+    dropped = generate(
+        StaticKVDecoder(policy, lm, 40, cuda_graphs=True), ids, mask, uniforms, drop_finished=True, **kwargs
+    )
+    assert all(torch.equal(got, want) for got, want in zip(dropped, reference))
 
 
 def test_bf16_draw_disagreement_matches_its_exact_probability():

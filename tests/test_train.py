@@ -364,6 +364,13 @@ def test_static_decode_is_on_by_default_with_cuda_for_a_supported_model(capsys):
     assert use(unset, gpt2, env["cpu"]) is False and capsys.readouterr().err == ""
     with pytest.raises(UserError, match="--static-decode: model_type 'gpt2'"):
         use(on, gpt2, env["cuda"])
+    drop, drop_on = (
+        parse_config(flags) for flags in (["--drop-finished-rows"], ["--drop-finished-rows", "--static-decode"])
+    )
+    assert use(drop, qwen, env["cuda"]) is True and use(drop_on, qwen, env["cpu"]) is True
+    for model, device in ((qwen, "cpu"), (gpt2, "cuda")):  # no static decoder: --drop-finished-rows cannot be honoured
+        with pytest.raises(UserError, match="^--drop-finished-rows: only the static decoder drops rows"):
+            use(drop, model, env[device])
 
 
 def test_update_model_flops_are_six_per_parameter_and_non_pad_token():
@@ -380,10 +387,12 @@ def test_update_model_flops_are_six_per_parameter_and_non_pad_token():
 
 
 def test_static_decode_gives_the_same_rollouts(tmp_path):
-    """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward;
-    config.json records the decoder that ran (the default on CPU: the model's forward)."""
+    """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward,
+    with --drop-finished-rows too; config.json records the decoder that ran (the default on CPU: the model's
+    forward)."""
     runs = {}
-    for name, extra in (("forward", []), ("static", ["--static-decode"])):
+    drop = ["--static-decode", "--drop-finished-rows"]
+    for name, extra in (("forward", []), ("static", ["--static-decode"]), ("drop", drop)):
         run_train(
             [
                 *SMALL,
@@ -398,9 +407,11 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
         runs[name] = [dumped_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
     for name, expected in (("forward", False), ("static", True)):
         assert json.loads((tmp_path / name / "config.json").read_text())["static_decode"] is expected
-    for forward, static in zip(runs["forward"], runs["static"]):
+    for forward, static, drop in zip(runs["forward"], runs["static"], runs["drop"]):
         assert torch.equal(forward["response_ids"], static["response_ids"])
+        assert torch.equal(forward["response_ids"], drop["response_ids"])
         torch.testing.assert_close(forward["advantages"], static["advantages"], rtol=0, atol=0)
+        torch.testing.assert_close(forward["advantages"], drop["advantages"], rtol=0, atol=0)
 
 
 def test_non_finite_loss_skips_the_update_and_training_continues(tmp_path, capsys):

@@ -39,16 +39,18 @@ def test_train_step_benchmark_quick_on_cpu():
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r for r in records if "error" in r] == []
-    assert [r["bench"] for r in records] == ["torchrun"] + ["generation"] * 4 + ["train_step", "train_step"]
+    assert [r["bench"] for r in records] == ["torchrun"] + ["generation"] * 6 + ["train_step", "train_step"]
     assert records[0]["steps"] == 3 and records[0]["backend"] == "gloo"
-    for record in records[1:]:
-        assert record["static_decode"] is False  # CPU: the model's own forward by default
+    for record in records[1:]:  # CPU: the model's own forward by default; the drop case asks for the static decoder
+        assert record["static_decode"] is (record.get("case") == "qwen05b_eos_reachable_drop")
     generation = [r for r in records if r["bench"] == "generation"]
-    assert [(r["case"], r["eos_reachable"]) for r in generation] == [
-        ("built_in_v64", False),
-        ("built_in_v64", False),
-        ("qwen05b_eos_reachable", True),
-        ("qwen05b_eos_reachable", True),
+    assert [(r["case"], r["eos_reachable"], r["drop_finished_rows"]) for r in generation] == [
+        ("built_in_v64", False, False),
+        ("built_in_v64", False, False),
+        ("qwen05b_eos_reachable", True, False),
+        ("qwen05b_eos_reachable", True, False),
+        ("qwen05b_eos_reachable_drop", True, True),
+        ("qwen05b_eos_reachable_drop", True, True),
     ]
     assert all(r["truncated_fraction"] == 1.0 for r in generation[:2])
     step = records[-1]

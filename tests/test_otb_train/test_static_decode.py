@@ -78,6 +78,40 @@ def test_generate_with_the_static_decoder_gives_the_same_rollout(kind):
     assert reference.finished.any() and reference.response_ids.shape[1] > 1  # EOS and several decode steps happened
 
 
+class CountingDecoder(StaticKVDecoder):
+    """A static decoder that records the batch sizes it was narrowed to."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.narrowed = []
+
+    def select_rows(self, rows):
+        self.narrowed.append(rows.numel())
+        super().select_rows(rows)
+
+
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_dropping_finished_rows_gives_the_same_rollout(check_every):
+    """drop_finished: once at most half the rows are alive at a check, only those are decoded (the decoder's
+    buffers narrowed); every row's tokens, mask and finished flag are those of decoding the whole batch (CPU, fp32).
+    Twelve rows, EOS likely (two EOS ids of 40 at temperature 1.5), so the batch narrows more than once."""
+    lm = tiny_lm("qwen2")
+    ids, mask = left_padded_prompts()
+    ids, mask = ids.repeat(3, 1)[:12], mask.repeat(3, 1)[:12]
+    uniforms = sampling_uniforms(0, 5, num_rows=12, max_new_tokens=40)
+    kwargs = dict(eos_token_ids=[1, 2], pad_token_id=0, max_new_tokens=40, temperature=1.5, check_every=check_every)
+    whole = generate(StaticKVDecoder(model_forward(lm), lm, 40), ids, mask, uniforms, **kwargs)
+    decoder = CountingDecoder(model_forward(lm), lm, 40)
+    narrowed = generate(decoder, ids, mask, uniforms, drop_finished=True, **kwargs)
+    assert len(decoder.narrowed) >= 2 and decoder.narrowed == sorted(decoder.narrowed, reverse=True)
+    for got, want in zip(narrowed, whole):
+        assert torch.equal(got, want)
+    assert whole.response_ids.shape[1] > 8 and whole.finished.sum() >= 6  # rows ended at several lengths
+    # the model's own forward has no select_rows: drop_finished leaves it as it is
+    assert all(torch.equal(a, b) for a, b in zip(generate(model_forward(lm), ids, mask, uniforms, drop_finished=True,
+                                                          **kwargs), whole))  # fmt: skip
+
+
 def test_decode_attention_masks_slots_exactly():
     """Masked slots and slots past the span get weight 0: equal to attention over the valid slots alone."""
     generator = torch.Generator().manual_seed(0)
