@@ -36,8 +36,10 @@ if [ -d "${OTB_REF_BEFORE:-/nonexistent}/otb_ref" ]; then
 fi
 # Item 3's generation at the 0.5B shape (V = 151,936, EOS reachable, mixed prompt lengths), when asked for.
 if [ -n "${GENERATION_05B:-}" ]; then
-    timeout "${GENERATION_TIMEOUT:-200}" python3 benchmarks/gpu_train_step.py --only generation \
-        --generation ${GENERATION_CASES:-qwen05b_eos_reachable qwen05b_eos_reachable_drop} --case-timeout "$((${GENERATION_TIMEOUT:-200} - 15))" \
+    cases=${GENERATION_CASES:-qwen05b_eos_reachable_drop qwen05b_eos_reachable}  # the new one first
+    n=$(echo "$cases" | wc -w)
+    timeout "${GENERATION_TIMEOUT:-400}" python3 benchmarks/gpu_train_step.py --only generation \
+        --generation $cases --case-timeout "$(( (${GENERATION_TIMEOUT:-400} - 15) / n ))" \
         --out "$OUT/gpu_train_step.jsonl" 2>&1 | tail -n 20
 fi
 # Where a 0.5B decode step's time goes (decoder, float64/float32 sampler, bookkeeping), when asked for.

@@ -252,8 +252,9 @@ def generate(
                 stop = t
                 break
             checked = t + 1
-            if narrow and 0 < alive_rows <= alive.shape[0] // 2:  # decode the alive rows only from here on
-                keep_rows = alive.nonzero().squeeze(1)
+            if narrow and alive_rows <= alive.shape[0] // 2 and alive.shape[0] > 1:  # the alive rows only from here
+                # none alive here while keep_going goes on (another rank's rows): one row, pad from now on, stays
+                keep_rows = alive.nonzero().squeeze(1) if alive_rows else alive.new_zeros(1, dtype=torch.long)
                 forward.select_rows(keep_rows)
                 rows = keep_rows if isinstance(rows, slice) else rows[keep_rows]
                 token, alive, next_position = token[keep_rows], alive[keep_rows], next_position[keep_rows]

@@ -368,9 +368,11 @@ def test_static_decode_is_on_by_default_with_cuda_for_a_supported_model(capsys):
         parse_config(flags) for flags in (["--drop-finished-rows"], ["--drop-finished-rows", "--static-decode"])
     )
     assert use(drop, qwen, env["cuda"]) is True and use(drop_on, qwen, env["cpu"]) is True
-    for model, device in ((qwen, "cpu"), (gpt2, "cuda")):  # no static decoder: --drop-finished-rows cannot be honoured
+    drop_off = parse_config(["--drop-finished-rows", "--no-static-decode"])
+    refusals = ((drop, qwen, "cpu"), (drop, gpt2, "cuda"), (drop_off, qwen, "cuda"))
+    for cfg, model, device in refusals:  # no static decoder: --drop-finished-rows cannot be honoured
         with pytest.raises(UserError, match="^--drop-finished-rows: only the static decoder drops rows"):
-            use(drop, model, env[device])
+            use(cfg, model, env[device])
 
 
 def test_update_model_flops_are_six_per_parameter_and_non_pad_token():
@@ -386,10 +388,16 @@ def test_update_model_flops_are_six_per_parameter_and_non_pad_token():
     assert record["throughput/update_model_tflops"] == 6 * 10**9 * 100 * 3 / 2.0 / 1e12
 
 
-def test_static_decode_gives_the_same_rollouts(tmp_path):
+def test_static_decode_gives_the_same_rollouts(tmp_path, monkeypatch):
     """--static-decode (static KV cache; no CUDA graphs on CPU) samples the same responses as the model's forward,
-    with --drop-finished-rows too; config.json records the decoder that ran (the default on CPU: the model's
-    forward)."""
+    with --drop-finished-rows too (48 new tokens: three checks of generate, so the batch narrows); config.json
+    records the decoder that ran (the default on CPU: the model's forward)."""
+    from otb_train.static_decode import StaticKVDecoder
+
+    narrowed, select_rows = [], StaticKVDecoder.select_rows
+    monkeypatch.setattr(
+        StaticKVDecoder, "select_rows", lambda self, rows: narrowed.append(len(rows)) or select_rows(self, rows)
+    )
     runs = {}
     drop = ["--static-decode", "--drop-finished-rows"]
     for name, extra in (("forward", []), ("static", ["--static-decode"]), ("drop", drop)):
@@ -400,6 +408,8 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
                 "2",
                 "--output-dir",
                 str(tmp_path / name),
+                "--max-new-tokens",
+                "48",
                 *extra,
             ],
             dump=str(tmp_path / f"d_{name}"),
@@ -407,6 +417,7 @@ def test_static_decode_gives_the_same_rollouts(tmp_path):
         runs[name] = [dumped_rows(tmp_path / f"d_{name}", step, 1) for step in (1, 2)]
     for name, expected in (("forward", False), ("static", True)):
         assert json.loads((tmp_path / name / "config.json").read_text())["static_decode"] is expected
+    assert len(narrowed) >= 2  # the drop run's batches did narrow
     for forward, static, drop in zip(runs["forward"], runs["static"], runs["drop"]):
         assert torch.equal(forward["response_ids"], static["response_ids"])
         assert torch.equal(forward["response_ids"], drop["response_ids"])

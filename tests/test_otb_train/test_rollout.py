@@ -99,6 +99,37 @@ def _prompts():
     return prompt_ids, (prompt_ids != 0).long()
 
 
+class EndingToyLM(ToyLM):
+    """ToyLM whose EOS (id 1) wins from position 6 on, so rows end at known columns; ``select_rows`` records the
+    batch it is narrowed to (its logits are row-local, so narrowing cannot change a row's tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrowed = []
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache):
+        logits, cache = super().__call__(input_ids, attention_mask, position_ids, cache)
+        logits[position_ids[:, -1] >= 6, 1] = 100.0
+        return logits, cache
+
+    def select_rows(self, rows):
+        self.narrowed.append(rows.tolist())
+
+
+def test_drop_finished_keeps_one_dead_row_while_another_rank_goes_on():
+    """Every row of this rank has ended by the first check (columns 2-5, check after 8 tokens) while keep_going says
+    go on (another rank's rows): the batch narrows to one dead row (not to none: a batch of 0 rows is no batch for
+    the decoder), and the rollout equals the one without narrowing."""
+    prompt_ids, prompt_mask = _prompts()
+    uniforms = sampling_uniforms(0, 0, num_rows=4, max_new_tokens=20)
+    kwargs = dict(eos_token_ids=[1], pad_token_id=0, max_new_tokens=20, check_every=8, keep_going=lambda alive: True)
+    whole = generate(EndingToyLM(), prompt_ids, prompt_mask, uniforms, **kwargs)
+    lm = EndingToyLM()
+    narrowed = generate(lm, prompt_ids, prompt_mask, uniforms, drop_finished=True, **kwargs)
+    assert lm.narrowed == [[0]] and whole.finished.all() and whole.response_ids.shape[1] == 20
+    assert all(torch.equal(got, want) for got, want in zip(narrowed, whole))
+
+
 def test_generate_stops_rows_at_eos_and_pads_after():
     prompt_ids, prompt_mask = _prompts()
     uniforms = sampling_uniforms(7, 1, num_rows=4, max_new_tokens=12)

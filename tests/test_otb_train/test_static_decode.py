@@ -91,19 +91,25 @@ class CountingDecoder(StaticKVDecoder):
 
 
 @pytest.mark.parametrize("check_every", [1, 4])
-def test_dropping_finished_rows_gives_the_same_rollout(check_every):
+@pytest.mark.parametrize("other_rank_alive", [False, True])
+def test_dropping_finished_rows_gives_the_same_rollout(check_every, other_rank_alive):
     """drop_finished: once at most half the rows are alive at a check, only those are decoded (the decoder's
     buffers narrowed); every row's tokens, mask and finished flag are those of decoding the whole batch (CPU, fp32).
-    Twelve rows, EOS likely (two EOS ids of 40 at temperature 1.5), so the batch narrows more than once."""
+    Twelve rows, EOS likely (two EOS ids of 40 at temperature 3), so the batch narrows more than once. With
+    another rank still alive (``keep_going`` always True) the loop runs on after this rank's last row ends, on one
+    dead row."""
     lm = tiny_lm("qwen2")
     ids, mask = left_padded_prompts()
     ids, mask = ids.repeat(3, 1)[:12], mask.repeat(3, 1)[:12]
-    uniforms = sampling_uniforms(0, 5, num_rows=12, max_new_tokens=40)
-    kwargs = dict(eos_token_ids=[1, 2], pad_token_id=0, max_new_tokens=40, temperature=1.5, check_every=check_every)
-    whole = generate(StaticKVDecoder(model_forward(lm), lm, 40), ids, mask, uniforms, **kwargs)
-    decoder = CountingDecoder(model_forward(lm), lm, 40)
+    uniforms = sampling_uniforms(0, 5, num_rows=12, max_new_tokens=100)
+    kwargs = dict(eos_token_ids=[1, 2], pad_token_id=0, max_new_tokens=100, temperature=3.0, check_every=check_every)
+    kwargs["keep_going"] = (lambda any_alive: True) if other_rank_alive else None
+    whole = generate(StaticKVDecoder(model_forward(lm), lm, 100), ids, mask, uniforms, **kwargs)
+    decoder = CountingDecoder(model_forward(lm), lm, 100)
     narrowed = generate(decoder, ids, mask, uniforms, drop_finished=True, **kwargs)
     assert len(decoder.narrowed) >= 2 and decoder.narrowed == sorted(decoder.narrowed, reverse=True)
+    assert whole.finished.all()  # every row ended: with another rank alive, this rank went on with one dead row
+    assert (decoder.narrowed[-1] == 1 and whole.response_ids.shape[1] == 100) if other_rank_alive else True
     for got, want in zip(narrowed, whole):
         assert torch.equal(got, want)
     assert whole.response_ids.shape[1] > 8 and whole.finished.sum() >= 6  # rows ended at several lengths
