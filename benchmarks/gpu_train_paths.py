@@ -83,7 +83,8 @@ FULL = dict(
     sample_rows=512,
     decode_model=dict(QWEN25_05B),  # decode: Qwen2.5-0.5B's shape (tied), 256 rows of prompts up to 512 tokens
     decode_rows=256,
-    decode_steps=64,
+    decode_steps=64,  # timed, of a decoder sized for decode_capacity new tokens (train.py's 512)
+    decode_capacity=512,
     update={k: v for k, v in QWEN25_05B.items() if k != "tie_word_embeddings"},  # Qwen2.5-0.5B's shape
     prompt=512,
     response=512,
@@ -109,6 +110,7 @@ QUICK = dict(
     ),  # fmt: skip
     decode_rows=8,
     decode_steps=6,
+    decode_capacity=12,
     update=dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -366,8 +368,11 @@ def bench_decode(shape: dict, env: distributed.Dist) -> None:
         parts[name].append((sync(env.device) - start) * 1e3)
         return out
 
+    reset_peak(env.device)
     with torch.no_grad(), distributed.gathered_for_generation(policy):
-        decoder = StaticKVDecoder(policy, policy.lm, steps, cuda_graphs=env.device.type == "cuda")
+        # the cache of train.py's 512 new tokens, so each step's attention spans what train.py's early steps span
+        capacity = shape["decode_capacity"]
+        decoder = StaticKVDecoder(policy, policy.lm, capacity, cuda_graphs=env.device.type == "cuda")
         logits, state = decoder(ids, mask, positions, None)
         next_position = positions[:, -1:] + 1
         for t in range(steps):
@@ -386,6 +391,7 @@ def bench_decode(shape: dict, env: distributed.Dist) -> None:
             "rows": ids.shape[0],
             "prompt_width": width,
             "steps": steps,
+            "max_new_tokens": shape["decode_capacity"],
             "vocab": vocab,
             "params": sum(p.numel() for p in lm.parameters()),
             "cuda_graphs": env.device.type == "cuda",

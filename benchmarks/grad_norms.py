@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -145,7 +146,7 @@ def run_case(case: dict, shape, device, dtype, args, checkpointing: bool = False
         loop_s=t_loop * rows / loop_rows,
         loop_rows_timed=loop_rows,
         one_pass_over_ordinary=t_one / t_ord,
-        one_pass_over_ordinary_paired=sorted(pairs)[len(pairs) // 2] if pairs else None,  # median of the pairs
+        one_pass_over_ordinary_paired=statistics.median(pairs),
         paired_ratios=[round(r, 4) for r in pairs],
         loop_over_one_pass=t_loop * rows / loop_rows / t_one,
         max_rel_diff_one_pass_vs_loop=float(rel),
@@ -210,10 +211,12 @@ def profile_case(case: dict, device: torch.device, dtype: torch.dtype, checkpoin
         record[name + "_host_calls"] = {
             e.key: e.count
             for e in prof.key_averages()
-            if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-                         "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item", "aten::_local_scalar_dense")
+            if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                         "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
+                         "aten::item", "aten::_local_scalar_dense")
         }  # fmt: skip
         record[name + "_total_cpu_ms"] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+    record.update(provenance())
     return record
 
 
@@ -278,6 +281,8 @@ def main(argv=None) -> None:
     if args.rss:
         rss_all()
         return
+    if args.pairs < 1:
+        parser.error(f"--pairs: expected >= 1, got {args.pairs}")
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: no CUDA device is available")
     if args.gpu:

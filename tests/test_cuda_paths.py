@@ -148,9 +148,11 @@ def test_generate_with_cuda_graphs_gives_the_same_rollout(kind):
     assert torch.equal(reference.response_mask, static.response_mask)
     assert torch.equal(reference.finished, static.finished)
     # drop_finished: the batch narrows, its graphs are captured again for the smaller batch; the same rollout
-    dropped = generate(
-        StaticKVDecoder(policy, lm, 40, cuda_graphs=True), ids, mask, uniforms, drop_finished=True, **kwargs
-    )
+    narrowed, decoder = [], StaticKVDecoder(policy, lm, 40, cuda_graphs=True)
+    select_rows = decoder.select_rows
+    decoder.select_rows = lambda rows: narrowed.append(rows.numel()) or select_rows(rows)
+    dropped = generate(decoder, ids, mask, uniforms, drop_finished=True, **kwargs)
+    assert narrowed and narrowed == sorted(narrowed, reverse=True) and narrowed[0] < ids.shape[0]  # it did narrow
     assert all(torch.equal(got, want) for got, want in zip(dropped, reference))
 
 

@@ -112,7 +112,7 @@ def test_dropping_finished_rows_gives_the_same_rollout(check_every, other_rank_a
     assert (decoder.narrowed[-1] == 1 and whole.response_ids.shape[1] == 100) if other_rank_alive else True
     for got, want in zip(narrowed, whole):
         assert torch.equal(got, want)
-    assert whole.response_ids.shape[1] > 8 and whole.finished.sum() >= 6  # rows ended at several lengths
+    assert whole.response_ids.shape[1] > 8  # rows ended at several lengths (every row ended: asserted above)
     # the model's own forward has no select_rows: drop_finished leaves it as it is
     assert all(torch.equal(a, b) for a, b in zip(generate(model_forward(lm), ids, mask, uniforms, drop_finished=True,
                                                           **kwargs), whole))  # fmt: skip
