@@ -478,13 +478,11 @@ def use_static_decode(cfg: Config, lm: nn.Module, env: distributed.Dist) -> bool
         raise UserError(f"--static-decode: {why}")
     static = cfg.static_decode if cfg.static_decode is not None else env.device.type == "cuda" and why is None
     if cfg.drop_finished_rows and not static:
-        hint = (
-            f"static decode: {why}"
-            if why
-            else "not with --no-static-decode"
-            if cfg.static_decode is False
-            else ("add --static-decode")
-        )
+        hint = "add --static-decode"
+        if why:
+            hint = f"static decode: {why}"
+        elif cfg.static_decode is False:
+            hint = "not with --no-static-decode"
         raise UserError(f"--drop-finished-rows: only the static decoder drops rows ({hint})")
     if cfg.static_decode is None and env.device.type == "cuda" and why and env.is_main:
         print(f"train.py: generating with the model's own forward (static decode: {why})", file=sys.stderr)

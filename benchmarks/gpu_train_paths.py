@@ -92,6 +92,15 @@ FULL = dict(
     micro_rows=(4, 8, 16),
     timed_steps=3,
 )
+# The tiny model of the quick run's decode and update sections.
+QUICK_MODEL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=1000,
+)
 QUICK = dict(
     gen_hidden=64,
     gen_layers=2,
@@ -100,25 +109,11 @@ QUICK = dict(
     gen_new=12,
     sample_vocab=1000,
     sample_rows=16,
-    decode_model=dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-    ),  # fmt: skip
+    decode_model=QUICK_MODEL,
     decode_rows=8,
     decode_steps=6,
     decode_capacity=12,
-    update=dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-    ),
+    update=QUICK_MODEL,
     prompt=16,
     response=16,
     rows_per_step=4,
