@@ -47,6 +47,7 @@ RUN_DEFINING = (
     "estimator",
     "leave_one_out",
     "std_normalize",
+    "no_baseline",
     "lr",
     "weight_decay",
     "warmup_steps",

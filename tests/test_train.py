@@ -605,6 +605,8 @@ def test_resume_refuses_changed_run_flags_and_keeps_the_first_config(tmp_path, c
         assert flag in str(error.value)
     with pytest.raises(UserError, match="--hidden-size 64 -> 96"):
         run_train([*TINY, "--steps", "2", "--hidden-size", "96", "--output-dir", str(run), "--resume"])
+    with pytest.raises(UserError, match="--no-baseline False -> True"):  # the control changes the advantages
+        run_train([*TINY, "--steps", "2", "--no-baseline", "--output-dir", str(run), "--resume"])
     assert (run / "config.json").read_text() == config
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
     assert [r["step"] for r in metrics(run)] == [1]
