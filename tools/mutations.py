@@ -143,8 +143,8 @@ MUTATIONS = [
     Mutation(
         "Acum",
         "otb_ref/advantages.py",
-        "W = block.w.to(_GROUP_DTYPE, copy=True).cumsum_(-1).mul_(mask)",
-        "W = block.w.to(_GROUP_DTYPE, copy=True).mul_(mask)",
+        "return out.copy_(block.w).cumsum_(-1).mul_(mask)",
+        "return out.copy_(block.w).mul_(mask)",
         "library OTB: per-token w_t instead of realized W_t",
         "f7",
     ),
@@ -167,8 +167,9 @@ MUTATIONS = [
     Mutation(
         "Aloo_tok",
         "otb_ref/advantages.py",
-        "others = at.minus(_GroupSums(members=mask, weighted=W * G, weight=W, total=mask * G))",
-        "others = at.minus(_GroupSums(members=mask, weighted=W * G * 0, weight=W, total=mask * G))",
+        "own = _GroupSums(mask, W * G, W, mask * G) if multi_turn else _GroupSums(m_s, terms[:, 0], W, terms[:, 1])",
+        "own = _GroupSums(mask, W * G * 0, W, mask * G) if multi_turn else _GroupSums(m_s, terms[:, 0] * 0, W, "
+        "terms[:, 1])",
         "token leave-one-out: own term kept in the numerator",
         "f7",
     ),
@@ -183,17 +184,17 @@ MUTATIONS = [
     Mutation(
         "Astd_tok",
         "otb_ref/advantages.py",
-        "advantage.mul_(_std_scale(G_s, m_s, groups, applies, epsilon, sums)[:, None])",
-        "advantage.mul_(_std_scale(G[:, :1], m_s[:, :1] * 0 + 1, groups, applies, epsilon, _GroupSums(groups.sum("
-        "m_s[:, :1] * 0 + 1), None, None, groups.sum(G[:, :1])))[:, None])",
+        "scale = _std_scale(G_s, m_s, groups, epsilon, sums)[:, None] if spec.std_normalize else None",
+        "scale = _std_scale(G[:, :1], m_s[:, :1] * 0 + 1, groups, epsilon, _GroupSums(groups.sum(m_s[:, :1] * 0 + 1), "
+        "None, None, groups.sum(G[:, :1])))[:, None] if spec.std_normalize else None",
         "token cells scaled by the std of R (issue 22's bug) instead of G_t pooled within positions",
         "f7",
     ),
     Mutation(
         "Astd_zero",
         "otb_ref/advantages.py",
-        "return torch.where(applies & spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
-        "return torch.where(applies & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
+        "return torch.where(spread & (sd > 0), 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
+        "return torch.where(sd > 0, 1.0 / torch.where(sd > 0, sd, 1.0), 1.0)",
         "zero spread divided by ε (issue 22's bug) instead of left unscaled",
         "f7",
     ),
@@ -208,8 +209,8 @@ MUTATIONS = [
     Mutation(
         "Asingle",
         "otb_ref/advantages.py",
-        "group_has_baseline = (counts >= 2).to(_GROUP_DTYPE)  # [g]",
-        "group_has_baseline = (counts >= 1).to(_GROUP_DTYPE)  # [g]",
+        "group_has_baseline = None if every_group else (counts >= 2).to(_GROUP_DTYPE)  # [g]",
+        "group_has_baseline = None if every_group else (counts >= 1).to(_GROUP_DTYPE)  # [g]",
         "a group of one gets a baseline",
         "f7",
     ),
@@ -259,9 +260,9 @@ MUTATIONS = [
     Mutation(
         "Eshare",
         "otb_ref/advantages.py",
-        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
-        "sums.weighted / torch.where(positive, denominator, 1.0), mean)",
-        "fast token baseline: verl's Σ a G / (Σ a + ε) (ε not shared with the members' mean)",
+        "return sums.weighted.add_(mean.mul_(epsilon)).div_(sums.weight.add_(epsilon))",
+        "return sums.weighted.div_(sums.weight.add_(epsilon))",
+        "fast baseline (both granularities): verl's Σ a x / (Σ a + ε) (ε not shared with the members' mean)",
         "f7",
     ),
     Mutation(
@@ -283,9 +284,9 @@ MUTATIONS = [
     Mutation(
         "Ezero",
         "otb_ref/advantages.py",
-        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), mean)",
-        "(sums.weighted + epsilon * mean) / torch.where(positive, denominator, 1.0), 0.0)",
-        "fast token baseline: 0 instead of the members' mean where Σ a + ε = 0",
+        "return torch.where(sums.weight > 0, sums.weighted.div_(sums.weight), mean)",
+        "return torch.where(sums.weight > 0, sums.weighted.div_(sums.weight), 0.0)",
+        "fast baseline (both granularities): 0 instead of the members' mean where Σ a + ε = 0",
         "f7",
     ),
     Mutation(
@@ -316,8 +317,8 @@ MUTATIONS = [
     Mutation(
         "Gcross",
         "otb_ref/grad_norms.py",
-        "self.total += 2 * _cross(call_a, name_a, call_b, name_b)",
-        "self.total += _cross(call_a, name_a, call_b, name_b)",
+        "self.terms.append(2 * _cross(call_a, name_a, call_b, name_b))",
+        "self.terms.append(_cross(call_a, name_a, call_b, name_b))",
         "tied weights: cross term counted once, not twice",
         "f3",
     ),
