@@ -110,3 +110,26 @@ def test_advantages_op_count_counts_both_trees():
     assert (base["tree"], head["tree"]) == ("base", "head")
     assert base["operations"] == head["operations"] > 0 and base["blocks"] == head["blocks"] >= 2
     assert 0 < head["block_passes"] < head["operations"]
+
+
+def test_train_cpu_quick_records_each_kind_of_case(tmp_path):
+    """`benchmarks/train_cpu.py --quick` runs train.py for each kind of case and records what TRAINING.md quotes
+    (learning summary, the random-init start, phase medians), with the machine and the commit; --out appends."""
+    out = tmp_path / "records.jsonl"
+    cases = ["default", "long_horizon_start", "estimator_cost"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_cpu.py"), "--quick", "--cases", *cases, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["case"] for r in records] == cases
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    default, start, cost = records
+    assert default["steps"] == 2 and 0 <= default["reward_first10"] <= 1 and default["wall_s"] > 0
+    assert default["median_throughput/generation_tokens_per_s"] > 0
+    assert 1 <= start["response_length_mean"] <= start["response_length_max"] <= 512
+    assert cost["flags"][:2] == ["--estimator", "eob"] and 0 < cost["median_time/advantages"] < cost["median_time/step"]
+    assert all(r["machine"].startswith("cpu") and "load_before" in r and "commit" in r for r in records)
