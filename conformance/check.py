@@ -19,8 +19,9 @@ the advantages, the input's ``returns_atol`` for the returns), and where a case 
 every |A| must stay within it.
 
 Prints one line per failing case (its id, estimator, options, tags, max abs and rel error, tolerance), then a
-summary, the bound-only cases on a line of their own; exits 1 if any case fails, 2 on a usage error (an unknown
-``--estimator`` or ``--tag``, a vectors file of another format or whose values off the mask are all finite).
+summary, the bound-only cases on a line of their own; exits 1 if any case fails, 2 on a usage error (a port file
+or function that is not there, an unknown ``--estimator`` or ``--tag``, a vectors file of another format or whose
+values off the mask are all finite).
 Input validation (PORTING item 8: which inputs raise ``ValueError``) is outside these vectors.
 """
 
@@ -85,7 +86,7 @@ def load_module(path: str | Path):
     nothing added to ``sys.path``)."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if spec is None or spec.loader is None or not Path(path).is_file():
-        raise SystemExit(f"no such file: {path}")
+        raise LookupError(f"no such file: {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -96,10 +97,10 @@ def load_function(target: str):
     """``FILE.py:FUNCTION`` -> the callable."""
     path, _, name = target.rpartition(":")
     if not path or not name:
-        raise SystemExit(f"usage: FILE.py:FUNCTION, got {target!r}")
+        raise LookupError(f"expected FILE.py:FUNCTION, got {target!r}")
     module = load_module(path)
     if not callable(getattr(module, name, None)):
-        raise SystemExit(f"{path} has no function {name!r}")
+        raise LookupError(f"{path} has no function {name!r}")
     return getattr(module, name)
 
 
@@ -182,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     for tag in args.tag or []:
         if tag not in tags:
             parser.error(f"--tag: unknown tag {tag!r}; choose from {tags}")
-    fn = load_function(args.port)
+    try:
+        fn = load_function(args.port)
+    except LookupError as error:  # a usage error (exit 2), not a failing case (exit 1)
+        parser.error(f"port: {error}")
     cases = [
         case
         for case in document["cases"]

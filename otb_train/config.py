@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +208,23 @@ class Config:
         if self.model and not any((model / name).is_file() for name in TOKENIZER_FILES):
             raise UserError(f"--model {self.model}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
         if self.data and not Path(self.data).is_file():
-            raise UserError(f"--data {self.data}: no such file")
+            raise UserError(
+                f"--data {self.data}: " + ("a directory, not a file" if Path(self.data).is_dir() else "no such file")
+            )
+        if self.output_dir:
+            _check_output_dir(Path(self.output_dir))
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """``--output-dir`` is a directory, or one can be made there (its nearest existing ancestor is a writable
+    directory): a mistake is one line at the start, not a traceback at the first write. Writes nothing."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output-dir {output_dir}: exists and is not a directory")
+    nearest = next(path for path in (output_dir, *output_dir.parents) if path.exists())  # "." or "/" at the latest
+    if not nearest.is_dir():
+        raise UserError(f"--output-dir {output_dir}: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise UserError(f"--output-dir {output_dir}: {nearest} is not writable")
 
 
 class UserError(Exception):

@@ -180,6 +180,18 @@ def test_checker_refuses_an_unknown_estimator_or_tag_with_status_2(flag, value):
         assert "'is_weights'" in result.stderr and "'clamp'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "target, message",
+    [("missing.py:port", "no such file"), ("NUMPY:no_such_function", "has no function 'no_such_function'"),
+     ("NUMPY", "expected FILE.py:FUNCTION")],
+)  # fmt: skip
+def test_checker_refuses_a_port_that_is_not_there_with_status_2(target, message):
+    """A missing port file or function is a usage error (exit 2, one line naming it), not a failing case (exit 1)."""
+    target = target.replace("NUMPY", str(NUMPY_PORT))
+    result = subprocess.run([sys.executable, str(CHECK), target], capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
 def _rewritten(tmp_path: Path, change) -> Path:
     raw = json.loads(VECTORS.read_text())
     change(raw)

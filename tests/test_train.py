@@ -286,6 +286,21 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     assert distributed.device_problem("auto") is None
 
 
+def test_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path):
+    """An --output-dir that is a file, or under one, is refused when the flags are read (every rank), writing nothing;
+    so is a --data that is a directory."""
+    file = tmp_path / "taken.jsonl"
+    file.write_text("")
+    with pytest.raises(UserError, match=f"^--output-dir {file}: exists and is not a directory$"):
+        parse_config([*TINY, "--output-dir", str(file)])
+    with pytest.raises(UserError, match=f"^--output-dir {file / 'run'}: {file} is not a directory$"):
+        parse_config([*TINY, "--output-dir", str(file / "run")])
+    with pytest.raises(UserError, match="^--data .*: a directory, not a file$"):
+        parse_config([*TINY, "--data", str(tmp_path)])
+    assert parse_config([*TINY, "--output-dir", str(tmp_path / "new" / "run")]).output_dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.jsonl"]
+
+
 def test_existing_run_directory_needs_resume(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")

@@ -403,12 +403,14 @@ def _verdict(status: str) -> str:
     return {"fail": "yes", "pass": "**no**"}.get(status, status)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="run only the expected fact's tests (pytest -m f<k>)")
     parser.add_argument("--only", nargs="+", metavar="KEY", help="run these mutations only")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.only or ()) - {m.key for m in MUTATIONS}):
+        parser.error(f"--only: unknown mutation(s) {unknown}; choose from {[m.key for m in MUTATIONS]}")
     mutations = [m for m in MUTATIONS if not args.only or m.key in args.only]
     scratch = _scratch_copy()
     suite_paths = " ".join(_suite_args(scratch)[:-2])

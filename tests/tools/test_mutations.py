@@ -26,3 +26,10 @@ def test_mutation_applies_to_today_s_code(mutation):
     assert mutated != source
     ast.parse(mutated)  # a SyntaxError here: the mutation would be "not applied (does not compile)"
     assert mutation.fact in {f"f{k}" for k in range(1, 8)} | {"e1", "e2"}
+
+
+def test_unknown_only_key_is_a_usage_error(capsys):
+    """``--only NOPE`` used to run nothing and report "0 of 0 mutations caught" (exit 0): now exit 2, naming it."""
+    with pytest.raises(SystemExit) as exit_:
+        mutations.main(["--only", "M7", "NOPE"])
+    assert exit_.value.code == 2 and "'NOPE'" in capsys.readouterr().err
