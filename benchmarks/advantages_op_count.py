@@ -18,6 +18,8 @@ from pathlib import Path
 
 from advantages_vs_commit import ROOT, base_tree  # beside this file (a script's folder is on its path)
 
+from harness import provenance  # beside this file
+
 
 def count(batch: int, length: int, group: int, estimator: str) -> dict:
     """In a process whose ``otb_ref`` is one tree's: operations of one call (after a warm-up call)."""
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             record = dict(
                 tree=name,
-                commit=args.base if name == "base" else "HEAD",
+                commit=args.base if name == "base" else provenance()["commit"],
+                date=provenance()["date"],
                 shape=[batch, length, group],
                 estimator=args.estimator,
                 **json.loads(out.stdout.splitlines()[-1]),
