@@ -16,9 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from advantages_vs_commit import ROOT, base_tree  # beside this file (a script's folder is on its path)
 
-from harness import provenance  # beside this file
+from harness import machine, provenance  # beside this file
 
 
 def count(batch: int, length: int, group: int, estimator: str) -> dict:
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(count(batch, length, group, args.estimator)))
         return 0
+    head = provenance()
     with tempfile.TemporaryDirectory() as folder:
         trees = {"base": base_tree(args.base, Path(folder)), "head": ROOT}
         for name, tree in trees.items():
@@ -88,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             record = dict(
                 tree=name,
-                commit=args.base if name == "base" else provenance()["commit"],
-                date=provenance()["date"],
+                commit=args.base if name == "base" else head["commit"],
                 shape=[batch, length, group],
                 estimator=args.estimator,
                 **json.loads(out.stdout.splitlines()[-1]),
             )
             record["per_block"] = round(record["operations"] / record["blocks"], 1)
+            record.update(
+                machine=machine(), torch=torch.__version__, **{k: head[k] for k in ("date", "clean", "command")}
+            )
             print(json.dumps(record))
     return 0
 

@@ -17,8 +17,10 @@ Cases (each a ``python train.py`` subprocess in a temporary --output-dir; its me
 * ``threads``: ``--steps 20`` with ``OMP_NUM_THREADS`` 1 and 2: the median step over steps 6–20;
 * ``tests``: the wall time of the trainer's test files that TRAINING.md names.
 
-Every record carries the machine, the load average before and after, and the commit. Timings need a quiet
-machine: another process on the cores shows in ``load_before``.
+Every record carries the machine and its CPU model, the commit, the load average before and after (it also
+counts the previous run of this command) and ``cpu_per_wall``, the CPU seconds the run's processes got per second
+of wall time (two threads on two idle cores: up to 2; another process on the cores lowers it). Timings need a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,17 +49,24 @@ CASES = ("default", "add", "long_horizon_start", "estimator_cost", "threads", "t
 COST_ESTIMATORS = ("otb", "grpo", "eob", "otb_exact")
 
 
-def run_train(flags: list[str], env: dict | None = None) -> tuple[list[dict], float]:
-    """``python train.py FLAGS`` in a fresh --output-dir: its metrics (one dict per step) and the wall seconds."""
+def timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``command`` (exit status checked): the process, its wall seconds and its CPU seconds per wall second."""
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stderr or done.stdout)[-2000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return done, wall, cpu / wall
+
+
+def run_train(flags: list[str], env: dict | None = None) -> tuple[list[dict], float, float]:
+    """``python train.py FLAGS`` in a fresh --output-dir: its metrics (one dict per step), wall seconds and CPU
+    seconds per wall second."""
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, str(ROOT / "train.py"), *flags, "--output-dir", out]
-        start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if done.returncode != 0:
-            raise SystemExit(f"train.py {' '.join(flags)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        _, wall, cpu_per_wall = timed([sys.executable, str(ROOT / "train.py"), *flags, "--output-dir", out], env)
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return rows, wall
+    return rows, wall, cpu_per_wall
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -87,16 +97,28 @@ def learning_summary(rows: list[dict]) -> dict:
     return summary
 
 
-def measured(case: str, flags: list[str], summary: dict, wall: float, load_before: float, env: dict | None) -> dict:
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo), or None where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+def measured(case: str, flags: list[str], summary: dict, timing: tuple[float, float, float], env: dict | None) -> dict:
+    wall, cpu_per_wall, load_before = timing
     return {
         "case": case,
         "flags": flags,
         "env": env or {},
         **summary,
         "wall_s": wall,
+        "cpu_per_wall": cpu_per_wall,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "machine": machine(),
+        "cpu_model": cpu_model(),
         **provenance(),
     }
 
@@ -125,14 +147,13 @@ def runs(case: str, quick: bool, seeds: list[int]) -> list[tuple[list[str], dict
 def run_case(case: str, quick: bool, seeds: list[int], out) -> None:
     if case == "tests":
         load_before = os.getloadavg()[0]
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", *TRAINER_TESTS], cwd=ROOT, capture_output=True)
-        summary = {"returncode": done.returncode, "tail": done.stdout.decode()[-200:]}
-        emit(measured(case, TRAINER_TESTS, summary, time.perf_counter() - start, load_before, None), out)
+        done, wall, cpu_per_wall = timed([sys.executable, "-m", "pytest", "-q", *TRAINER_TESTS])  # exits if one fails
+        summary = {"summary": done.stdout.strip().splitlines()[-1]}
+        emit(measured(case, TRAINER_TESTS, summary, (wall, cpu_per_wall, load_before), None), out)
         return
     for flags, env in runs(case, quick, seeds):
         load_before = os.getloadavg()[0]
-        rows, wall = run_train(flags, env)
+        rows, wall, cpu_per_wall = run_train(flags, env)
         if case in ("default", "add"):
             summary = learning_summary(rows)
         elif case == "long_horizon_start":
@@ -142,7 +163,7 @@ def run_case(case: str, quick: bool, seeds: list[int], out) -> None:
             settled = rows[5:] or rows
             summary = {"median_time/advantages": _median(settled, "time/advantages"),
                        "median_time/step": _median(settled, "time/step"), "steps_in_median": len(settled)}  # fmt: skip
-        emit(measured(case, flags, summary, wall, load_before, env), out)
+        emit(measured(case, flags, summary, (wall, cpu_per_wall, load_before), env), out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,12 +81,16 @@ def load_vectors(path: str | Path) -> dict:
     return document
 
 
+class PortNotFound(Exception):
+    """The port's file or function is not there: a usage error (exit 2). Errors the port raises are its own."""
+
+
 def load_module(path: str | Path):
     """The Python file ``path`` as a module named by its stem (a port is a file, not a package: loaded by its path,
     nothing added to ``sys.path``)."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if spec is None or spec.loader is None or not Path(path).is_file():
-        raise LookupError(f"no such file: {path}")
+        raise PortNotFound(f"no such file: {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -97,10 +101,10 @@ def load_function(target: str):
     """``FILE.py:FUNCTION`` -> the callable."""
     path, _, name = target.rpartition(":")
     if not path or not name:
-        raise LookupError(f"expected FILE.py:FUNCTION, got {target!r}")
+        raise PortNotFound(f"expected FILE.py:FUNCTION, got {target!r}")
     module = load_module(path)
     if not callable(getattr(module, name, None)):
-        raise LookupError(f"{path} has no function {name!r}")
+        raise PortNotFound(f"{path} has no function {name!r}")
     return getattr(module, name)
 
 
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--tag: unknown tag {tag!r}; choose from {tags}")
     try:
         fn = load_function(args.port)
-    except LookupError as error:  # a usage error (exit 2), not a failing case (exit 1)
+    except PortNotFound as error:  # a usage error (exit 2), not a failing case (exit 1)
         parser.error(f"port: {error}")
     cases = [
         case

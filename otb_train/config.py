@@ -211,20 +211,21 @@ class Config:
             raise UserError(
                 f"--data {self.data}: " + ("a directory, not a file" if Path(self.data).is_dir() else "no such file")
             )
-        if self.output_dir:
-            _check_output_dir(Path(self.output_dir))
 
 
 def _check_output_dir(output_dir: Path) -> None:
-    """``--output-dir`` is a directory, or one can be made there (its nearest existing ancestor is a writable
-    directory): a mistake is one line at the start, not a traceback at the first write. Writes nothing."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"--output-dir {output_dir}: exists and is not a directory")
-    nearest = next(path for path in (output_dir, *output_dir.parents) if path.exists())  # "." or "/" at the latest
-    if not nearest.is_dir():
-        raise UserError(f"--output-dir {output_dir}: {nearest} is not a directory")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {output_dir}: {nearest} is not writable")
+    """The run's directory (``--output-dir``, or the default ``runs/<date-time>``) is a directory, or one can be made
+    there: its nearest existing ancestor is a writable directory. A mistake is one line before anything is built,
+    not a traceback at the first write; nothing is written."""
+    try:
+        nearest = next(p for p in (output_dir, *output_dir.parents) if p.exists() or p.is_symlink())  # "." at last
+        if not nearest.is_dir():
+            what = "not a directory" if nearest.exists() else "a broken symbolic link"
+            raise UserError(f"--output-dir {output_dir}: {nearest} is {what}")
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise UserError(f"--output-dir {output_dir}: {nearest} is not writable")
+    except OSError as error:  # e.g. an ancestor that cannot be searched
+        raise UserError(f"--output-dir {output_dir}: {error.strerror or error}") from None
 
 
 class UserError(Exception):
@@ -276,9 +277,10 @@ def describe(cfg: Config) -> str:
 def check_run_directory(cfg: Config, output_dir: Path) -> dict | None:
     """The run's first configuration when ``--resume`` continues it, else None; refuses what cannot work.
 
-    A new run needs a directory without one; a resumed run must match its config.json on every RUN_DEFINING
-    flag (the differences are listed).
+    The directory must be one, or one must be makeable there; a new run needs a directory without a run; a resumed
+    run must match its config.json on every RUN_DEFINING flag (the differences are listed).
     """
+    _check_output_dir(output_dir)
     holds_run = (output_dir / "metrics.jsonl").exists() or (output_dir / "checkpoints").exists()
     if not cfg.resume:
         if holds_run:

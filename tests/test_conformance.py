@@ -192,6 +192,14 @@ def test_checker_refuses_a_port_that_is_not_there_with_status_2(target, message)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_checker_reports_a_port_s_own_import_error_as_it_is(tmp_path):
+    """A KeyError raised while the port is imported is the port's error (a traceback, exit 1), not "not there"."""
+    path = tmp_path / "broken_port.py"
+    path.write_text("{}['missing_key']\n")
+    result = subprocess.run([sys.executable, str(CHECK), f"{path}:port"], capture_output=True, text=True)
+    assert result.returncode == 1 and "KeyError: 'missing_key'" in result.stderr
+
+
 def _rewritten(tmp_path: Path, change) -> Path:
     raw = json.loads(VECTORS.read_text())
     change(raw)

@@ -19,8 +19,8 @@ from train_hooks import run_train  # train.py's main, run from its file, with th
 
 import otb_ref.readable
 from otb_ref import ESTIMATORS
-from otb_train import checkpoints, distributed
-from otb_train.config import TOKENIZER_FILES, UserError, parse_config
+from otb_train import checkpoints, config, distributed
+from otb_train.config import TOKENIZER_FILES, UserError, check_run_directory, parse_config
 from otb_train.data import check_prompts, encode_prompt, problem_at
 from otb_train.energies import exact_energies
 from otb_train.model import load_tokenizer
@@ -286,19 +286,30 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     assert distributed.device_problem("auto") is None
 
 
-def test_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path):
-    """An --output-dir that is a file, or under one, is refused when the flags are read (every rank), writing nothing;
-    so is a --data that is a directory."""
-    file = tmp_path / "taken.jsonl"
+def test_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch):
+    """A run directory that is a file, lies under one, is a broken link or is not writable is refused before anything
+    is built (every rank checks), writing nothing; so is the default runs/<date-time> under a file named runs; and a
+    --data that is a directory."""
+    cfg = parse_config(TINY)
+    file, broken = tmp_path / "taken.jsonl", tmp_path / "broken"
     file.write_text("")
-    with pytest.raises(UserError, match=f"^--output-dir {file}: exists and is not a directory$"):
-        parse_config([*TINY, "--output-dir", str(file)])
-    with pytest.raises(UserError, match=f"^--output-dir {file / 'run'}: {file} is not a directory$"):
-        parse_config([*TINY, "--output-dir", str(file / "run")])
+    broken.symlink_to(tmp_path / "nowhere")
+    for output_dir, message in [(file, f"{file} is not a directory"), (file / "run", f"{file} is not a directory"),
+                                (broken / "run", f"{broken} is a broken symbolic link")]:  # fmt: skip
+        with pytest.raises(UserError, match=f"^--output-dir {output_dir}: {message}$"):
+            check_run_directory(cfg, output_dir)
+    with monkeypatch.context() as patch:  # (tests run as root here, for whom everything is writable)
+        patch.setattr(config.os, "access", lambda path, mode: Path(path) != tmp_path)
+        with pytest.raises(UserError, match=f"^--output-dir {tmp_path / 'new'}: {tmp_path} is not writable$"):
+            check_run_directory(cfg, tmp_path / "new")
+    monkeypatch.chdir(tmp_path)
+    Path("runs").write_text("")
+    with pytest.raises(UserError, match="^--output-dir runs/.*: runs is not a directory$"):
+        run_train([*TINY, "--steps", "1"])
     with pytest.raises(UserError, match="^--data .*: a directory, not a file$"):
         parse_config([*TINY, "--data", str(tmp_path)])
-    assert parse_config([*TINY, "--output-dir", str(tmp_path / "new" / "run")]).output_dir
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.jsonl"]
+    assert check_run_directory(cfg, tmp_path / "new" / "run") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "runs", "taken.jsonl"]
 
 
 def test_existing_run_directory_needs_resume(tmp_path):

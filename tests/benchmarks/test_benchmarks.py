@@ -133,3 +133,4 @@ def test_train_cpu_quick_records_each_kind_of_case(tmp_path):
     assert 1 <= start["response_length_mean"] <= start["response_length_max"] <= 512
     assert cost["flags"][:2] == ["--estimator", "eob"] and 0 < cost["median_time/advantages"] < cost["median_time/step"]
     assert all(r["machine"].startswith("cpu") and "load_before" in r and "commit" in r for r in records)
+    assert all(r["cpu_per_wall"] > 0 and "cpu_model" in r for r in records)
