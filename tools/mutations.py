@@ -161,7 +161,7 @@ MUTATIONS = [
         "otb_ref/readable.py",
         "return total - y if leave_one_out else total",
         "return total",
-        "leave-one-out sums keep the row's own terms (readable group_baseline; the fast path's sequence cells)",
+        "readable's leave-one-out sums keep the row's own terms (group_baseline: sequence and token cells)",
         "f7",
     ),
     Mutation(
