@@ -225,7 +225,8 @@ def _check_output_dir(output_dir: Path) -> None:
         if not os.access(nearest, os.W_OK | os.X_OK):
             raise UserError(f"--output-dir {output_dir}: {nearest} is not writable")
     except OSError as error:  # e.g. an ancestor that cannot be searched
-        raise UserError(f"--output-dir {output_dir}: {error.strerror or error}") from None
+        where = f" ({error.filename})" if error.filename else ""
+        raise UserError(f"--output-dir {output_dir}: {error.strerror or error}{where}") from None
 
 
 class UserError(Exception):
