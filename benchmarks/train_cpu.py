@@ -49,24 +49,25 @@ CASES = ("default", "add", "long_horizon_start", "estimator_cost", "threads", "t
 COST_ESTIMATORS = ("otb", "grpo", "eob", "otb_exact")
 
 
-def timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run ``command`` (exit status checked): the process, its wall seconds and its CPU seconds per wall second."""
+def run_timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``command`` (exit status checked): the process, and its timing fields (``wall_s``, ``cpu_per_wall``: CPU
+    seconds per wall second, ``load_before``: the 1-minute load average when it started)."""
+    load_before = os.getloadavg()[0]
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stderr or done.stdout)[-2000:]}")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return done, wall, cpu / wall
+    return done, {"wall_s": wall, "cpu_per_wall": cpu / wall, "load_before": load_before}
 
 
-def run_train(flags: list[str], env: dict | None = None) -> tuple[list[dict], float, float]:
-    """``python train.py FLAGS`` in a fresh --output-dir: its metrics (one dict per step), wall seconds and CPU
-    seconds per wall second."""
+def run_train(flags: list[str], env: dict | None = None) -> tuple[list[dict], dict]:
+    """``python train.py FLAGS`` in a fresh --output-dir: its metrics (one dict per step) and timing fields."""
     with tempfile.TemporaryDirectory() as out:
-        _, wall, cpu_per_wall = timed([sys.executable, str(ROOT / "train.py"), *flags, "--output-dir", out], env)
+        _, timing = run_timed([sys.executable, str(ROOT / "train.py"), *flags, "--output-dir", out], env)
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return rows, wall, cpu_per_wall
+    return rows, timing
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -106,16 +107,13 @@ def cpu_model() -> str | None:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
-def measured(case: str, flags: list[str], summary: dict, timing: tuple[float, float, float], env: dict | None) -> dict:
-    wall, cpu_per_wall, load_before = timing
+def measured(case: str, flags: list[str], summary: dict, timing: dict, env: dict | None) -> dict:
     return {
         "case": case,
         "flags": flags,
         "env": env or {},
         **summary,
-        "wall_s": wall,
-        "cpu_per_wall": cpu_per_wall,
-        "load_before": load_before,
+        **timing,
         "load_after": os.getloadavg()[0],
         "machine": machine(),
         "cpu_model": cpu_model(),
@@ -146,14 +144,12 @@ def runs(case: str, quick: bool, seeds: list[int]) -> list[tuple[list[str], dict
 
 def run_case(case: str, quick: bool, seeds: list[int], out) -> None:
     if case == "tests":
-        load_before = os.getloadavg()[0]
-        done, wall, cpu_per_wall = timed([sys.executable, "-m", "pytest", "-q", *TRAINER_TESTS])  # exits if one fails
+        done, timing = run_timed([sys.executable, "-m", "pytest", "-q", *TRAINER_TESTS])  # exits if one fails
         summary = {"summary": done.stdout.strip().splitlines()[-1]}
-        emit(measured(case, TRAINER_TESTS, summary, (wall, cpu_per_wall, load_before), None), out)
+        emit(measured(case, TRAINER_TESTS, summary, timing, None), out)
         return
     for flags, env in runs(case, quick, seeds):
-        load_before = os.getloadavg()[0]
-        rows, wall, cpu_per_wall = run_train(flags, env)
+        rows, timing = run_train(flags, env)
         if case in ("default", "add"):
             summary = learning_summary(rows)
         elif case == "long_horizon_start":
@@ -163,7 +159,7 @@ def run_case(case: str, quick: bool, seeds: list[int], out) -> None:
             settled = rows[5:] or rows
             summary = {"median_time/advantages": _median(settled, "time/advantages"),
                        "median_time/step": _median(settled, "time/step"), "steps_in_median": len(settled)}  # fmt: skip
-        emit(measured(case, flags, summary, (wall, cpu_per_wall, load_before), env), out)
+        emit(measured(case, flags, summary, timing, env), out)
 
 
 def main(argv: list[str] | None = None) -> int:
